@@ -2,10 +2,13 @@
 
 from .activations import ACTIVATIONS
 from .config import HeadConfig
+from .data import HeadedCollator
 from .errors import BatchError, CheckpointError, ConfigError, HeadkitError, NonFiniteLossError
+from .features import CachedFeatures, cache_features, train_heads_on_features
 from .heads import MLPHead
 from .loading import load_headed
 from .losses import LOSSES, LossSpec
+from .metrics import HeadwiseMetrics, evaluate_head_wise
 from .model import HeadedModel, HeadedModelOutput
 from .pooling import POOLINGS, SequencePooling
 
@@ -16,15 +19,31 @@ __all__ = [
     "LOSSES",
     "POOLINGS",
     "BatchError",
+    "CachedFeatures",
     "CheckpointError",
     "ConfigError",
     "HeadConfig",
+    "HeadedCollator",
     "HeadedModel",
     "HeadedModelOutput",
+    "HeadedTrainer",
     "HeadkitError",
+    "HeadwiseMetrics",
     "LossSpec",
     "MLPHead",
     "NonFiniteLossError",
     "SequencePooling",
+    "cache_features",
+    "evaluate_head_wise",
     "load_headed",
+    "train_heads_on_features",
 ]
+
+
+def __getattr__(name: str):
+    # HeadedTrainer imports transformers.Trainer (slow, needs accelerate): load it on first use.
+    if name == "HeadedTrainer":
+        from .training import HeadedTrainer
+
+        return HeadedTrainer
+    raise AttributeError(f"module 'headkit' has no attribute {name!r}")

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import HeadConfig
 from .errors import CheckpointError, ConfigError
+from .loading import _RECORDED_KWARGS
 
 if TYPE_CHECKING:
     from .model import HeadedModel
@@ -106,6 +107,7 @@ def save_checkpoint(
     tmp = root / f".tmp-{weights_name}"
     state = {k: v.detach().contiguous().cpu() for k, v in model.head_state_dict().items()}
     save_file(state, str(tmp), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    os.chmod(tmp, 0o644)  # safetensors creates files readable by the owner only
     _fsync_file(tmp)
     os.replace(tmp, root / weights_name)
 
@@ -145,6 +147,7 @@ def save_checkpoint(
         "loss_weighting": model.loss_weighting.config(),
         "nonfinite_loss": model.nonfinite_loss,
     }
+    _fsync_dir(root)  # the renamed weight files are durable before the commit point
     mtmp = root / f".tmp-{MANIFEST}-{token}"
     mtmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     _fsync_file(mtmp)
@@ -172,10 +175,12 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{str(path)!r} is missing: not a headkit checkpoint{extra}")
     try:
         manifest = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{str(path)!r} is not valid JSON ({e})") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{str(path)!r} must hold a JSON object")
+    if isinstance(manifest.get("format_version"), bool):
+        manifest["format_version"] = str(manifest["format_version"])  # rejected just below
     if (
         isinstance(manifest.get("format_version"), int)
         and manifest["format_version"] > FORMAT_VERSION
@@ -202,6 +207,7 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     weights = manifest["weights"]
     if "/" in weights or "\\" in weights or not weights.endswith(".safetensors"):
         raise CheckpointError(f"{str(path)!r}: weights={weights!r} must name a .safetensors file")
+    _check_manifest_fields(manifest, str(path))
     try:
         manifest["heads"] = [HeadConfig.from_dict(h) for h in manifest["heads"]]
     except ConfigError as e:
@@ -209,6 +215,51 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     except TypeError as e:
         raise CheckpointError(f"{str(path)!r}: invalid head config: {e}") from None
     return manifest
+
+
+def _check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
+    """Validate the optional fields and the backbone entry (kinds, names, kwargs, dtype)."""
+
+    def bad(field: str, value: Any, allowed: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {field}={value!r} is invalid; {allowed}")
+
+    sha = manifest.get("weights_sha256")
+    if sha is not None and not isinstance(sha, str):
+        raise bad("weights_sha256", sha, "a hex string or absent")
+    weighting = manifest.get("loss_weighting")
+    if weighting is not None and (
+        not isinstance(weighting, dict) or not isinstance(weighting.get("name", "fixed"), str)
+    ):
+        raise bad("loss_weighting", weighting, 'a dict like {"name": "fixed"}')
+    if manifest.get("nonfinite_loss", "raise") not in ("raise", "skip"):
+        raise bad("nonfinite_loss", manifest["nonfinite_loss"], "'raise' or 'skip'")
+    bb = manifest["backbone"]
+    kind = bb.get("kind")
+    if kind == "saved":
+        sub = bb.get("path")
+        if not isinstance(sub, str) or not sub.startswith("backbone-") or {"/", "\\"} & set(sub):
+            raise bad("backbone.path", sub, "the name of a 'backbone-*' folder in the checkpoint")
+    elif kind == "reference":
+        if not isinstance(bb.get("source"), str) or not bb["source"]:
+            raise bad("backbone.source", bb.get("source"), "a model path or hub id")
+        kwargs = bb.get("kwargs") or {}
+        # Only the recorded keywords: a checkpoint must not switch on e.g. trust_remote_code.
+        if not isinstance(kwargs, dict) or any(
+            k not in _RECORDED_KWARGS or not isinstance(v, str) for k, v in kwargs.items()
+        ):
+            raise bad("backbone.kwargs", kwargs, f"string values for {list(_RECORDED_KWARGS)}")
+        dtype = bb.get("dtype")
+        if dtype is not None and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise bad("backbone.dtype", dtype, "a torch dtype name such as 'float32' or null")
+    else:
+        raise bad("backbone.kind", kind, "'saved' or 'reference'")
+
+
+def _min_head_numel(cfg: HeadConfig) -> int:
+    """A lower bound on a head's parameter count from its config alone (no allocation)."""
+    n_in, n_out, n = cfg.in_size or 1, cfg.num_outputs or 1, cfg.num_layers
+    hidden = cfg.hidden_size
+    return n_in * n_out if n == 1 else n_in * hidden + (n - 2) * hidden * hidden + hidden * n_out
 
 
 def read_head_weights(checkpoint_dir: str | os.PathLike, manifest: dict) -> dict[str, torch.Tensor]:
@@ -222,11 +273,22 @@ def read_head_weights(checkpoint_dir: str | os.PathLike, manifest: dict) -> dict
             f"weights file {str(path)!r} is corrupt or truncated (sha256 differs from {MANIFEST})"
         )
     try:
-        return load_file(str(path))
+        state = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"weights file {str(path)!r} cannot be read: {e}") from None
     except Exception as e:  # safetensors raises plain Exception subclasses on some errors
         raise CheckpointError(f"weights file {str(path)!r} cannot be read: {e}") from None
+    # Sizes come from the manifest: refuse ones far beyond what the file holds before anything
+    # is built from them (a corrupt num_layers or num_outputs must not allocate gigabytes or
+    # hang); small mismatches are reported tensor by tensor by load_head_weights.
+    have = sum(t.numel() for t in state.values())
+    need = sum(_min_head_numel(c) for c in manifest["heads"] if isinstance(c, HeadConfig))
+    if need > 2 * have + (1 << 20):
+        raise CheckpointError(
+            f"{MANIFEST} in {str(checkpoint_dir)!r} describes heads with at least {need} "
+            f"parameters, but {manifest['weights']!r} holds {have} values: they do not match"
+        )
+    return state
 
 
 def load_head_weights(model: HeadedModel, state: dict[str, torch.Tensor], where: str) -> None:
@@ -244,6 +306,10 @@ def load_head_weights(model: HeadedModel, state: dict[str, torch.Tensor], where:
             raise CheckpointError(
                 f"{where}: tensor {k!r} has shape {tuple(v.shape)}, but {MANIFEST} describes "
                 f"{tuple(own[k].shape)}"
+            )
+        if own[k].is_floating_point() and not v.is_floating_point():
+            raise CheckpointError(
+                f"{where}: tensor {k!r} has dtype {v.dtype}; a floating-point dtype is expected"
             )
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise CheckpointError(f"{where}: tensor {k!r} holds NaN or infinite values")
@@ -267,6 +333,7 @@ def load_checkpoint(
 
     root = Path(checkpoint_dir)
     manifest = read_manifest(root)
+    state = read_head_weights(root, manifest)  # before the backbone: corrupt files fail fast
     bb = manifest["backbone"]
     kwargs = dict(from_pretrained_kwargs)
     if bb.get("kind") == "saved":
@@ -293,8 +360,10 @@ def load_checkpoint(
         nonfinite_loss=manifest.get("nonfinite_loss", "raise"),
     )
     w_kwargs = {k: v for k, v in weighting.items() if k != "name"}
-    model.set_loss_weighting(weighting.get("name", "fixed"), **w_kwargs)
-    state = read_head_weights(root, manifest)
+    try:
+        model.set_loss_weighting(weighting.get("name", "fixed"), **w_kwargs)
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{MANIFEST}: loss_weighting={weighting!r} is invalid: {e}") from None
     load_head_weights(model, state, str(root))
     if bb.get("kind") == "reference":
         model.backbone_source = {k: bb[k] for k in ("source", "kwargs", "dtype") if k in bb}

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 from .config import HeadConfig
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, HeadkitError
 
 # from_pretrained keyword arguments that are recorded with a referenced backbone (JSON-safe).
 _RECORDED_KWARGS = ("gguf_file", "revision", "subfolder")
@@ -44,7 +46,19 @@ def load_backbone(
         kwargs["device_map"] = device_map
     try:
         return cls.from_pretrained(str(source), **kwargs)
-    except OSError as e:
+    except HeadkitError:
+        raise
+    # transformers and safetensors report missing, corrupt or mismatched files with many types
+    except (
+        OSError,
+        ValueError,
+        RuntimeError,
+        TypeError,
+        KeyError,
+        EOFError,
+        SafetensorError,
+        pickle.UnpicklingError,  # a referenced *.bin that torch.load(weights_only=True) refuses
+    ) as e:
         raise CheckpointError(f"cannot load a backbone from {str(source)!r}: {e}") from None
 
 
@@ -81,6 +95,7 @@ def load_headed(
         head_configs, model_name = model_name, None
     manifest = read_manifest(head_folder_path) if head_folder_path is not None else None
     if manifest is not None:
+        head_state = read_head_weights(head_folder_path, manifest)  # fail fast, before loading
         saved = manifest["heads"]
         if head_configs is None:
             head_configs = saved
@@ -131,10 +146,11 @@ def load_headed(
     headed = HeadedModel(hf, configs, freeze_base_model=freeze_base_model)
     if manifest is not None:
         weighting = dict(manifest.get("loss_weighting") or {"name": "fixed"})
-        headed.set_loss_weighting(weighting.pop("name", "fixed"), **weighting)
-        load_head_weights(
-            headed, read_head_weights(head_folder_path, manifest), str(head_folder_path)
-        )
+        try:
+            headed.set_loss_weighting(weighting.pop("name", "fixed"), **weighting)
+        except TypeError as e:
+            raise CheckpointError(f"{head_folder_path}: invalid loss_weighting: {e}") from None
+        load_head_weights(headed, head_state, str(head_folder_path))
     if source is not None:
         if Path(source).exists():
             source = str(Path(source).resolve())

@@ -157,7 +157,7 @@ def head_loss(
                 f"{_head(cfg)}: labels contain NaN or infinite values at positions that count; "
                 "regression labels must be finite"
             )
-        if cfg.loss_fct in PROBABILITY_LOSSES or cfg.loss_fct == "bce_with_logits":
+        if cfg.loss_fct.lower() in PROBABILITY_LOSSES | {"bce_with_logits"}:  # names: any case
             outside = elem_valid & ((labels < 0) | (labels > 1))
             if bool(outside.any()):
                 raise BatchError(

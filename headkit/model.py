@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any
@@ -71,6 +73,10 @@ class HeadedModel(nn.Module):
     not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
     """
 
+    # HF Trainer passes ``num_items_in_batch`` to models whose forward has ``**kwargs`` and then
+    # skips its gradient-accumulation scaling; head losses are per-batch means, so opt out.
+    accepts_loss_kwargs = False
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -115,6 +121,8 @@ class HeadedModel(nn.Module):
         # can be referenced instead of copied into checkpoints.
         self.backbone_source: dict[str, Any] | None = None
         self.backbone_fingerprint: str | None = None
+        # ``model.forward`` advertises the heads' targets (see _ForwardWithTargets).
+        self.forward = _ForwardWithTargets(type(self).forward, self)
 
     # ------------------------------------------------------------------ construction
     def _resolve(self, cfg: HeadConfig) -> HeadConfig:
@@ -218,7 +226,11 @@ class HeadedModel(nn.Module):
 
         ``labels`` are passed by each head's ``target``; a head without its label gets no
         loss. Padding comes from ``attention_mask`` (no mask: every token counts).
+        ``labels={target: tensor, ...}`` (a mapping) is accepted too: it is what HF Trainer
+        recognises as the batch's labels (it looks for a key named "labels").
         """
+        if isinstance(labels.get("labels"), Mapping):
+            labels = {**labels.pop("labels"), **labels}
         unknown = [k for k in labels if k not in {c.target for c in self.head_configs.values()}]
         if unknown:
             targets = sorted({c.target for c in self.head_configs.values()})
@@ -226,21 +238,9 @@ class HeadedModel(nn.Module):
                 f"unexpected batch key(s) {unknown}: not a model input and no head has that "
                 f"target; targets: {targets}; inputs: {list(MODEL_INPUTS)}"
             )
-        ref = input_ids if input_ids is not None else inputs_embeds
-        if ref is None:
-            raise BatchError("the batch needs input_ids or inputs_embeds")
-        if ref.dim() < 2 or ref.shape[0] == 0 or ref.shape[1] == 0:
-            raise BatchError(
-                f"empty or malformed batch: input shape {tuple(ref.shape)}; expected "
-                "(batch >= 1, seq >= 1)"
-            )
-        if input_ids is not None and input_ids.dtype.is_floating_point:
-            raise BatchError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-        if attention_mask is not None and tuple(attention_mask.shape) != tuple(ref.shape[:2]):
-            raise BatchError(
-                f"attention_mask of shape {tuple(attention_mask.shape)} does not match the "
-                f"inputs {tuple(ref.shape[:2])}"
-            )
+        _check_inputs(
+            self.backbone, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids
+        )
         inputs: dict[str, Any] = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -260,13 +260,34 @@ class HeadedModel(nn.Module):
             # Left padding: positions count real tokens only, as generate() does.
             inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         params = self.info.forward_params
-        inputs = {k: v for k, v in inputs.items() if v is not None and k in params}
+        if "past_key_values" not in params and "cache" in params:  # transformers >= 5.2x name
+            inputs["cache"] = inputs.pop("past_key_values")
+        # output_* flags are read from **kwargs by transformers 5 models, not named parameters.
+        via_kwargs = {"output_attentions", "output_hidden_states"} if "kwargs" in params else set()
+        inputs = {
+            k: v for k, v in inputs.items() if v is not None and (k in params or k in via_kwargs)
+        }
         if "use_cache" in params:
             inputs["use_cache"] = bool(use_cache)
         full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
-        captured, out = run_backbone(
-            self.backbone, self.info, set(self._hooks.values()), not full, inputs
-        )
+        try:
+            captured, out = run_backbone(
+                self.backbone, self.info, set(self._hooks.values()), not full, inputs
+            )
+        except IndexError as e:  # an embedding lookup (positions, token types) out of range
+            shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
+            limits = {
+                "max_position_embeddings": _config_value(
+                    self.backbone, "max_position_embeddings", "n_positions"
+                ),
+                "type_vocab_size": _config_value(self.backbone, "type_vocab_size"),
+            }
+            allowed = ", ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
+            raise BatchError(
+                f"the backbone rejected an index in the batch ({e}); input shape {shape}: "
+                f"sequence length, position_ids and token_type_ids must stay within "
+                f"{allowed or 'the backbone config'}"
+            ) from e
 
         preds: dict[str, torch.Tensor] = {}
         losses: dict[str, torch.Tensor] = {}
@@ -279,6 +300,14 @@ class HeadedModel(nn.Module):
             if y is not None and cfg.loss_fct is not None:
                 losses[name] = head_loss(cfg, p, y, attention_mask)
         loss, adapted = self.combine_losses(losses)
+        if loss is not None and self.training and torch.is_grad_enabled():
+            # DDP (find_unused_parameters=False) needs every trainable parameter in each step's
+            # graph: heads without labels in this batch, and the loss weighting, join with an
+            # exact zero (nan_to_num keeps it zero even for non-finite predictions).
+            idle = [p for n, p in preds.items() if n not in adapted and p.requires_grad]
+            idle += [p for p in self.loss_weighting.parameters() if p.requires_grad]
+            for t in idle:
+                loss = loss + (t * 0.0).nan_to_num(0.0, 0.0, 0.0).sum()
         return HeadedModelOutput(
             loss=loss,
             loss_by_head=losses,
@@ -299,7 +328,7 @@ class HeadedModel(nn.Module):
             if not bool(torch.isfinite(value).all()):
                 if self.nonfinite_loss == "raise":
                     raise NonFiniteLossError(
-                        f"head {name!r} produced a non-finite loss ({float(value)}); pass "
+                        f"head {name!r} produced a non-finite loss ({float(value.detach())}); pass "
                         "nonfinite_loss='skip' to HeadedModel to leave such losses out"
                     )
                 warnings.warn(f"head {name!r}: non-finite loss skipped", stacklevel=3)
@@ -328,6 +357,129 @@ class HeadedModel(nn.Module):
         sd = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
         sd.update({f"loss_weighting.{k}": v for k, v in self.loss_weighting.state_dict().items()})
         return sd
+
+
+class _ForwardWithTargets(functools.partial):
+    """``HeadedModel.forward`` bound to one model, whose signature also lists the head targets.
+
+    Targets travel through ``**labels``; HF Trainer keeps only the dataset columns named in
+    ``inspect.signature(model.forward)`` (``remove_unused_columns``), so they are listed as
+    keyword-only parameters, read from the model's current heads at every inspection.
+    """
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        model = self.args[0]
+        sig = inspect.signature(self.func)
+        params = list(sig.parameters.values())[1:]  # drop self
+        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        taken = {p.name for p in params} | {p.name for p in var_kw}
+        targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
+        params += [
+            inspect.Parameter(t, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for t in targets
+            if t not in taken
+        ]
+        return sig.replace(parameters=params + var_kw)
+
+
+def _config_value(backbone: PreTrainedModel, *names: str) -> Any:
+    for n in names:
+        if getattr(backbone.config, n, None) is not None:
+            return getattr(backbone.config, n)
+    return None
+
+
+def _int_ids(name: str, value: Any, shape: tuple[int, ...] | None) -> None:
+    """``value`` must be an integer (not bool) tensor; of ``shape`` when given."""
+    if not isinstance(value, torch.Tensor):
+        raise BatchError(
+            f"{name} must be a torch.Tensor, got {type(value).__name__}; "
+            "use tokenizer(..., return_tensors='pt')"
+        )
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise BatchError(f"{name} must hold integer ids, got dtype {value.dtype}")
+    if shape is not None and tuple(value.shape) != shape:
+        raise BatchError(
+            f"{name} of shape {tuple(value.shape)} does not match the inputs; expected {shape}"
+        )
+
+
+def _check_inputs(
+    backbone: PreTrainedModel,
+    input_ids: Any,
+    inputs_embeds: Any,
+    attention_mask: Any,
+    position_ids: Any,
+    token_type_ids: Any,
+) -> None:
+    """Raise BatchError naming the field, value and what is allowed for malformed inputs."""
+    if input_ids is not None and inputs_embeds is not None:
+        raise BatchError("pass input_ids or inputs_embeds, not both")
+    if input_ids is None and inputs_embeds is None:
+        raise BatchError("the batch needs input_ids or inputs_embeds")
+    try:
+        emb = backbone.get_input_embeddings()
+    except (NotImplementedError, AttributeError):  # exotic models: skip the width/vocab checks
+        emb = None
+    if input_ids is not None:
+        _int_ids("input_ids", input_ids, None)
+        ref = input_ids
+    else:
+        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+            raise BatchError(
+                f"inputs_embeds must be a floating-point torch.Tensor, got "
+                f"{getattr(inputs_embeds, 'dtype', type(inputs_embeds).__name__)}"
+            )
+        ref = inputs_embeds
+    want_dim = 2 if input_ids is not None else 3
+    if ref.dim() != want_dim or ref.shape[0] == 0 or ref.shape[1] == 0:
+        what = "input_ids" if input_ids is not None else "inputs_embeds"
+        expected = "2-D (batch >= 1, seq >= 1)" if want_dim == 2 else "3-D (batch, seq, hidden)"
+        raise BatchError(
+            f"empty or malformed batch: {what} of shape {tuple(ref.shape)}; expected {expected}"
+        )
+    width = getattr(emb, "embedding_dim", None)
+    if inputs_embeds is not None and width is not None and inputs_embeds.shape[-1] != width:
+        raise BatchError(
+            f"inputs_embeds of width {inputs_embeds.shape[-1]} do not match the backbone's "
+            f"embedding width {width}"
+        )
+    vocab = getattr(emb, "num_embeddings", None)
+    if input_ids is not None and vocab is not None and input_ids.device.type != "meta":
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise BatchError(
+                f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary; "
+                f"allowed: 0..{vocab - 1} (the backbone's input embeddings have {vocab} rows)"
+            )
+    batch_seq = tuple(ref.shape[:2])
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise BatchError(
+                f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
+            )
+        if tuple(attention_mask.shape) != batch_seq:
+            raise BatchError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} does not match the "
+                f"inputs {batch_seq}"
+            )
+        odd = (attention_mask != 0) & (attention_mask != 1)
+        if attention_mask.device.type != "meta" and bool(odd.any()):
+            raise BatchError(
+                f"attention_mask holds {attention_mask[odd][0].item()!r}; allowed: 0 (padding) "
+                "or 1 (token)"
+            )
+    if token_type_ids is not None:
+        _int_ids("token_type_ids", token_type_ids, batch_seq)
+    if position_ids is not None:
+        _int_ids("position_ids", position_ids, None)
+        if position_ids.shape not in (batch_seq, (1, batch_seq[1])):
+            raise BatchError(
+                f"position_ids of shape {tuple(position_ids.shape)} does not match the inputs; "
+                f"expected {batch_seq} or {(1, batch_seq[1])}"
+            )
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -1,9 +1,11 @@
 """Sequence pooling: reduce token states (batch, seq, hidden) to one vector per sequence.
 
 Every strategy reads padding from the attention mask (never from pad ids), so right
-padding, left padding, pad == eos and one-token sequences all work; none writes into the
-hidden states it is given. Strategies are registered by name (``POOLINGS``) and can be
-concatenated with "+" ("mean+max"); aliases: "cls" → "first".
+padding, left padding, pad == eos and one-token sequences all work. None writes into the
+hidden states it is given, and padded positions are selected away with ``torch.where``
+rather than multiplied by 0, so NaN or inf at padded positions cannot leak into a result.
+Strategies are registered by name (``POOLINGS``) and can be concatenated with "+"
+("mean+max"); aliases: "cls" → "first". See docs/pooling.md for which one to use.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import BatchError, ConfigError
 from .registry import Registry
 
 POOLINGS: Registry = Registry("pooling strategy", "pooling")
@@ -41,8 +43,21 @@ def parse_pooling(spec: str, head: str | None = None) -> list[str]:
     return names
 
 
-def _float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return mask.to(like.dtype).unsqueeze(-1)  # (batch, seq, 1)
+def _keep(mask: torch.Tensor) -> torch.Tensor:
+    return mask.bool().unsqueeze(-1)  # (batch, seq, 1)
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """Sum half-precision states in float32 (a sum of 64 fp16 states may overflow)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _masked_weighted_sum(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_t weights[b, t] * hidden[b, t] over positions with weight != 0. (batch, hidden)"""
+    acc = _accumulator(hidden.dtype)
+    w = weights.to(acc).unsqueeze(-1)  # (batch, seq, 1)
+    h = torch.where(w != 0, hidden.to(acc), torch.zeros((), dtype=acc, device=hidden.device))
+    return (h * w).sum(1)
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
@@ -61,7 +76,11 @@ def _gather(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class PoolingStrategy(nn.Module):
-    """One way to pool. ``forward(hidden, mask, pooler)`` → (batch, out_size)."""
+    """One way to pool. ``forward(hidden, mask, pooler)`` → (batch, out_size).
+
+    Register a new one with ``@POOLINGS.register("name")`` on a subclass; it is built as
+    ``cls(hidden_size)`` and gets a boolean-castable mask of shape (batch, seq).
+    """
 
     needs_pooler = False
 
@@ -79,9 +98,11 @@ class PoolingStrategy(nn.Module):
 
 @POOLINGS.register("last")
 class LastToken(PoolingStrategy):
-    """The last non-padding token (GPT-style classifiers)."""
+    """The last non-padding token: under causal attention the only one that saw everything."""
 
-    def forward(self, hidden, mask, pooler=None):
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
         return _gather(hidden, last_token_index(mask))
 
 
@@ -89,7 +110,9 @@ class LastToken(PoolingStrategy):
 class FirstToken(PoolingStrategy):
     """The first non-padding token ([CLS] for BERT-style encoders)."""
 
-    def forward(self, hidden, mask, pooler=None):
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
         return _gather(hidden, first_token_index(mask))
 
 
@@ -99,11 +122,17 @@ class BackbonePooler(PoolingStrategy):
 
     needs_pooler = True
 
-    def forward(self, hidden, mask, pooler=None):
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
         if pooler is None:
-            raise ConfigError("pooling='pooler' needs a backbone with a pooler module")
+            raise ConfigError(
+                "pooling='pooler' needs a backbone with a pooler module (BERT-style); "
+                "this one has none: use 'first', 'mean', ..."
+            )
         first = _gather(hidden, first_token_index(mask)).unsqueeze(1)  # (batch, 1, hidden)
-        out = pooler(first.to(next(pooler.parameters()).dtype))
+        param = next(pooler.parameters(), None)
+        out = pooler(first if param is None else first.to(param.dtype))
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -111,44 +140,65 @@ class BackbonePooler(PoolingStrategy):
 class MeanPooling(PoolingStrategy):
     """Mean over non-padding tokens (sentence-transformers' default)."""
 
-    def forward(self, hidden, mask, pooler=None):
-        m = _float_mask(mask, hidden)
-        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        m = mask.bool()
+        total = _masked_weighted_sum(hidden, m)
+        count = m.sum(1, keepdim=True).clamp(min=1).to(total.dtype)
+        return (total / count).to(hidden.dtype)
 
 
 @POOLINGS.register("mean_sqrt_len")
 class MeanSqrtLenPooling(PoolingStrategy):
-    """Sum over non-padding tokens divided by sqrt(length)."""
+    """Sum over non-padding tokens divided by sqrt(length) (sentence-transformers' name)."""
 
-    def forward(self, hidden, mask, pooler=None):
-        m = _float_mask(mask, hidden)
-        return (hidden * m).sum(1) / m.sum(1).clamp(min=1).sqrt()
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        m = mask.bool()
+        total = _masked_weighted_sum(hidden, m)
+        count = m.sum(1, keepdim=True).clamp(min=1).to(total.dtype)
+        return (total / count.sqrt()).to(hidden.dtype)
 
 
 @POOLINGS.register("max")
 class MaxPooling(PoolingStrategy):
     """Element-wise max over non-padding tokens; padding never wins (0 for an empty row)."""
 
-    def forward(self, hidden, mask, pooler=None):
-        keep = mask.bool().unsqueeze(-1)
-        filled = torch.where(keep, hidden, torch.finfo(hidden.dtype).min)
-        out = filled.max(1).values
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        keep = _keep(mask)
+        lowest = torch.full((), torch.finfo(hidden.dtype).min, dtype=hidden.dtype)
+        out = torch.where(keep, hidden, lowest.to(hidden.device)).max(1).values
         return torch.where(keep.any(1), out, torch.zeros_like(out))
 
 
 @POOLINGS.register("weighted_mean")
 class WeightedMeanPooling(PoolingStrategy):
-    """Position-weighted mean (weights 1..n over real tokens), as in SGPT for decoder models."""
+    """Position-weighted mean, weights 1..n over the real tokens (SGPT, for decoders).
 
-    def forward(self, hidden, mask, pooler=None):
-        m = mask.to(hidden.dtype)
-        weights = (m.cumsum(-1) * m).unsqueeze(-1)  # (batch, seq, 1): 1..n on real tokens
-        return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+    Weights count real tokens only, so left and right padding give the same result
+    (sentence-transformers' "weightedmean" counts absolute positions instead).
+    """
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        m = mask.long()
+        weights = m.cumsum(-1) * m  # (batch, seq): 1..n on real tokens, 0 on padding
+        total = _masked_weighted_sum(hidden, weights)
+        norm = weights.sum(1, keepdim=True).clamp(min=1).to(total.dtype)
+        return (total / norm).to(hidden.dtype)
 
 
 @POOLINGS.register("attention")
 class AttentionPooling(PoolingStrategy):
-    """Learned attention pooling: softmax(w·h + b) over non-padding tokens, weighted sum."""
+    """Learned attention pooling: softmax(w·h + b) over non-padding tokens, weighted sum.
+
+    ``w`` and ``b`` are head parameters: trained with the head, saved with its checkpoint.
+    """
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__(hidden_size)
@@ -156,18 +206,27 @@ class AttentionPooling(PoolingStrategy):
         nn.init.normal_(self.score.weight, std=1.0 / math.sqrt(hidden_size))
         nn.init.zeros_(self.score.bias)
 
-    def forward(self, hidden, mask, pooler=None):
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        keep = mask.bool()
         h = hidden.to(self.score.weight.dtype)
+        h = torch.where(keep.unsqueeze(-1), h, torch.zeros((), dtype=h.dtype, device=h.device))
         scores = self.score(h).squeeze(-1)  # (batch, seq)
-        scores = scores.masked_fill(~mask.bool(), torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1) * mask.to(scores.dtype)
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1) * keep.to(scores.dtype)  # 0 for empty rows
         return (h * weights.unsqueeze(-1)).sum(1)
 
 
 class SequencePooling(nn.Module):
-    """Concatenation of one or more strategies; ``out_size`` is the sum of their widths."""
+    """Concatenation of one or more strategies; ``out_size`` is the sum of their widths.
 
-    def __init__(self, strategies: list[str], hidden_size: int, pooler_size: int | None = None):
+    ``pooler_size`` is the output width of the backbone's pooler ("pooler" strategy).
+    """
+
+    def __init__(
+        self, strategies: list[str], hidden_size: int, pooler_size: int | None = None
+    ) -> None:
         super().__init__()
         self.names = list(strategies)
         self.strategies = nn.ModuleDict({n: POOLINGS.get(n)(hidden_size) for n in self.names})
@@ -175,11 +234,16 @@ class SequencePooling(nn.Module):
         self.pooler_size = pooler_size
 
     @property
+    def widths(self) -> dict[str, int]:
+        """Width of each strategy's slice of the output, in order of concatenation."""
+        return {
+            n: (self.pooler_size or self.hidden_size) if s.needs_pooler else s.out_size
+            for n, s in self.strategies.items()
+        }
+
+    @property
     def out_size(self) -> int:
-        return sum(
-            (self.pooler_size or self.hidden_size) if s.needs_pooler else s.out_size
-            for s in self.strategies.values()
-        )
+        return sum(self.widths.values())
 
     @property
     def needs_pooler(self) -> bool:
@@ -189,11 +253,25 @@ class SequencePooling(nn.Module):
         self, hidden: torch.Tensor, mask: torch.Tensor | None, pooler: nn.Module | None = None
     ) -> torch.Tensor:
         """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count."""
+        if hidden.dim() != 3:
+            raise BatchError(
+                f"pooling needs hidden states of shape (batch, seq, hidden), got "
+                f"{tuple(hidden.shape)}"
+            )
         if mask is None:
             mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        elif tuple(mask.shape) != tuple(hidden.shape[:2]):
+            raise BatchError(
+                f"attention_mask of shape {tuple(mask.shape)} does not match the hidden states "
+                f"{tuple(hidden.shape[:2])} (batch, seq)"
+            )
         mask = mask.to(hidden.device)
         parts = [s(hidden, mask, pooler) for s in self.strategies.values()]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def split(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Cut a concatenated (batch, out_size) output back into one tensor per strategy."""
+        return dict(zip(self.names, pooled.split(list(self.widths.values()), dim=-1)))
 
     def extra_repr(self) -> str:
         return f"strategies={'+'.join(self.names)}, out_size={self.out_size}"

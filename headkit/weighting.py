@@ -31,7 +31,8 @@ class LossWeighting(nn.Module):
 
 
 class AdaptiveWeighting(LossWeighting):
-    """Normalise each head's loss by its running mean/std (Welford), after a warm-up."""
+    """Normalise each head's loss by its running mean/std after a warm-up: over every loss
+    seen (Welford, sample std) or, with ``momentum``, exponentially weighted."""
 
     name = "adaptive"
 
@@ -39,7 +40,16 @@ class AdaptiveWeighting(LossWeighting):
         super().__init__(weights)
         if not isinstance(warmup, int) or warmup < 1:
             raise ConfigError(f"adaptive weighting: warmup={warmup!r} is invalid; an integer >= 1")
+        if momentum is not None and (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, (int, float))
+            or not 0 < momentum <= 1
+        ):
+            raise ConfigError(
+                f"adaptive weighting: momentum={momentum!r} is invalid; a number in (0, 1] or None"
+            )
         self.warmup = warmup
+        self.momentum = None if momentum is None else float(momentum)
         n = len(weights)
         self.names = list(weights)
         self.register_buffer("count", torch.zeros(n, dtype=torch.float64))
@@ -53,18 +63,32 @@ class AdaptiveWeighting(LossWeighting):
             if self.count[i] < self.warmup:
                 out[k] = v * 0.0
             else:
-                std = (self.m2[i] / (self.count[i] - 1).clamp(min=1)).sqrt().clamp(min=1e-6)
+                var = (
+                    self.m2[i]
+                    if self.momentum is not None
+                    else self.m2[i] / (self.count[i] - 1).clamp(min=1)
+                )
+                std = var.sqrt().clamp(min=1e-6)
                 out[k] = self.weights[k] * (v - self.mean[i].to(v.dtype)) / std.to(v.dtype)
             if self.training and torch.isfinite(v).all():
                 x = v.detach().double()
                 self.count[i] += 1
                 delta = x - self.mean[i]
-                self.mean[i] += delta / self.count[i]
-                self.m2[i] += delta * (x - self.mean[i])
+                if self.momentum is None:  # Welford: m2 is the sum of squared deviations
+                    self.mean[i] += delta / self.count[i]
+                    self.m2[i] += delta * (x - self.mean[i])
+                elif self.count[i] == 1:
+                    self.mean[i] = x
+                else:  # exponentially weighted mean and variance (m2 holds the variance)
+                    self.mean[i] += self.momentum * delta
+                    self.m2[i] = (1 - self.momentum) * (self.m2[i] + self.momentum * delta * delta)
         return out
 
     def config(self) -> dict:
-        return {"name": self.name, "warmup": self.warmup}
+        cfg = {"name": self.name, "warmup": self.warmup}
+        if self.momentum is not None:
+            cfg["momentum"] = self.momentum
+        return cfg
 
 
 class UncertaintyWeighting(LossWeighting):

@@ -1,0 +1,222 @@
+"""Training a HeadedModel with Hugging Face ``Trainer``.
+
+The vanilla ``transformers.Trainer`` works with a HeadedModel and ``HeadedCollator``:
+
+* ``model.forward``'s signature lists every head target, so ``remove_unused_columns`` keeps
+  the label columns;
+* the collator puts labels under ``batch["labels"]`` (a ``{target: tensor}`` dict). Trainer
+  finds ``**labels`` in ``forward``'s signature, takes ``"labels"`` as its label key, and so
+  computes ``eval_loss``; HeadedModel unpacks the dict;
+* ``HeadedModel.accepts_loss_kwargs = False`` keeps Trainer from passing
+  ``num_items_in_batch`` (head losses are per-batch means, scaled for gradient accumulation
+  by Trainer as usual);
+* in training mode every head and loss-weighting parameter takes part in each step's graph,
+  so DDP needs no ``find_unused_parameters``.
+
+What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds:
+
+* ``save_model`` and checkpoints write a headkit checkpoint (``HeadedModel.save_pretrained``:
+  safetensors + JSON, a frozen unchanged backbone referenced rather than copied) instead of
+  one ``model.safetensors`` holding the whole state dict, and ``resume_from_checkpoint`` and
+  ``load_best_model_at_end`` read it back (the vanilla Trainer's ``_save`` only knows
+  ``PreTrainedModel`` and peft models);
+* evaluation logs each head's loss as ``eval_<head>_loss`` (the vanilla Trainer reads only
+  ``output.loss``);
+* ``predict`` returns ``predictions`` as ``{head: array}`` and ``label_ids`` as
+  ``{target: array}`` (the vanilla Trainer returns every dict field of the output, in a tuple
+  whose last item is ``preds_by_head``), and heads missing from some batches' labels still
+  concatenate.
+
+Under ``torchrun`` Trainer runs DDP itself; only rank 0 writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import Trainer
+
+from .checkpoint import MANIFEST, load_head_weights, read_head_weights, read_manifest
+from .data import HeadedCollator
+from .errors import CheckpointError, ConfigError
+from .losses import IGNORE_INDEX, LOSSES
+
+
+class HeadedTrainer(Trainer):
+    """``transformers.Trainer`` for a HeadedModel: headkit checkpoints, per-head eval losses,
+    predictions by head. ``data_collator`` defaults to ``HeadedCollator(model, tokenizer)``."""
+
+    def __init__(self, model: Any = None, args: Any = None, data_collator: Any = None, **kwargs):
+        if model is None or not hasattr(model, "head_configs"):
+            raise ConfigError(
+                f"HeadedTrainer: model={type(model).__name__} is invalid; a HeadedModel "
+                "(use transformers.Trainer for other models)"
+            )
+        if data_collator is None:
+            data_collator = HeadedCollator(model, kwargs.get("processing_class"))
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        self._head_loss_sums: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ evaluation
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, dict | None, dict | None]:
+        """One evaluation batch → (total loss, ``{head: preds}``, ``{target: labels}``)."""
+        inputs = self._prepare_inputs(inputs)
+        heads = self._headed().head_configs
+        labels = _labels_of(inputs, {c.target for c in heads.values()})
+        with torch.no_grad(), self.compute_loss_context_manager():
+            out = model(**inputs)
+        loss = out.loss.detach().mean() if out.loss is not None else None
+        if self._head_loss_sums is not None and out.loss_by_head:
+            n = inputs["input_ids"].shape[0] if "input_ids" in inputs else 1
+            for i, name in enumerate(heads):
+                if name in out.loss_by_head:
+                    self._head_loss_sums[i, 0] += float(out.loss_by_head[name]) * n
+                    self._head_loss_sums[i, 1] += n
+        if prediction_loss_only:
+            return loss, None, None
+        preds = {k: v.detach() for k, v in out.preds_by_head.items()}
+        if labels:
+            labels = _fill_missing_labels(labels, preds, heads)
+        return loss, preds, (labels or None)
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ):
+        """Trainer's loop, plus ``<prefix>_<head>_loss`` for every head that had labels.
+
+        A head's loss is averaged over the examples of the batches that had its labels."""
+        heads = list(self._headed().head_configs)
+        self._head_loss_sums = torch.zeros(len(heads), 2, dtype=torch.float64)
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+            sums = self._head_loss_sums
+        finally:
+            self._head_loss_sums = None
+        if self.args.world_size > 1:
+            sums = self.accelerator.reduce(sums.to(self.args.device), reduction="sum").cpu()
+        for i, name in enumerate(heads):
+            if sums[i, 1] > 0:
+                output.metrics[f"{metric_key_prefix}_{name}_loss"] = float(sums[i, 0] / sums[i, 1])
+        return output
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Write a headkit checkpoint (rank 0 only); a given ``state_dict`` (FSDP, DeepSpeed)
+        falls back to Trainer's own format."""
+        if state_dict is not None:
+            return super()._save(output_dir, state_dict=state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return None
+        os.makedirs(output_dir, exist_ok=True)
+        self._headed().save_pretrained(output_dir)
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(output_dir)
+        # JSON instead of Trainer's pickled training_args.bin: checkpoints hold no pickle.
+        Path(output_dir, "training_args.json").write_text(self.args.to_json_string())
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        model = model if model is not None else self.model
+        if not Path(resume_from_checkpoint, MANIFEST).is_file():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_into(self.accelerator.unwrap_model(model), resume_from_checkpoint)
+        return None
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None or not Path(best, MANIFEST).is_file():
+            return super()._load_best_model()
+        load_into(self._headed(), best)
+        return None
+
+    def _headed(self) -> Any:
+        return self.accelerator.unwrap_model(self.model)
+
+
+def load_into(model: Any, checkpoint_dir: str | os.PathLike) -> None:
+    """Load a headkit checkpoint's weights into an existing HeadedModel, in place.
+
+    Heads and loss weighting always; the backbone too when the checkpoint holds a copy of
+    it (it was trained or built in memory). Raises CheckpointError when the heads differ.
+    """
+    root = Path(checkpoint_dir)
+    manifest = read_manifest(root)
+    saved = sorted(c.name for c in manifest["heads"])
+    if saved != sorted(model.head_configs):
+        raise CheckpointError(
+            f"{str(root)!r} holds heads {saved}, but the model has {sorted(model.head_configs)}"
+        )
+    weighting = manifest.get("loss_weighting") or {"name": "fixed"}
+    if weighting.get("name") != getattr(model.loss_weighting, "name", None):
+        raise CheckpointError(
+            f"{str(root)!r} was trained with loss_weighting={weighting.get('name')!r}, but the "
+            f"model uses {model.loss_weighting.name!r}"
+        )
+    load_head_weights(model, read_head_weights(root, manifest), str(root))
+    bb = manifest["backbone"]
+    if bb.get("kind") != "saved":
+        return
+    folder = root / str(bb.get("path"))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"backbone folder {str(folder)!r} has no safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors errors derive from plain Exception
+            raise CheckpointError(f"backbone weights {str(f)!r} cannot be read: {e}") from None
+    own = model.backbone.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    if unexpected:
+        raise CheckpointError(
+            f"backbone weights in {str(folder)!r} do not match the model: unexpected tensors "
+            f"{unexpected[:5]}"
+        )
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v.to(own[k].device, own[k].dtype))
+
+
+def _labels_of(inputs: Mapping[str, Any], targets: set[str]) -> dict[str, torch.Tensor]:
+    nested = inputs.get("labels")
+    if isinstance(nested, Mapping):
+        return dict(nested)
+    return {k: v for k, v in inputs.items() if k in targets and isinstance(v, torch.Tensor)}
+
+
+def _fill_missing_labels(
+    labels: dict[str, torch.Tensor], preds: dict[str, torch.Tensor], heads: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Give every head's target a label tensor (all -100 where the batch had none), so that
+    batches concatenate across the evaluation loop. Metrics ignore -100."""
+    out = dict(labels)
+    for name, cfg in heads.items():
+        if cfg.target in out:
+            continue
+        p = preds[name]
+        classes = cfg.loss_fct is not None and LOSSES.get(cfg.loss_fct).classes
+        shape = p.shape[:-1] if classes or p.shape[-1] == 1 else p.shape
+        dtype = torch.long if classes else torch.float32
+        out[cfg.target] = torch.full(tuple(shape), IGNORE_INDEX, dtype=dtype, device=p.device)
+    return out

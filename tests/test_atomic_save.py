@@ -1,0 +1,226 @@
+"""A save interrupted at any moment leaves a checkpoint that loads as exactly v1 or exactly v2.
+
+A real child process builds a tiny model (fixed seed) with a large head (so writes take a
+while), saves v1 into several folders, changes its heads (v2) and saves v2 over each folder.
+
+- At each step of the save protocol (before/after the heads file is renamed into place,
+  before the backbone folder is renamed, before/after the manifest commit) the child freezes
+  itself with SIGSTOP from inside ``os.replace`` (instrumented in the child only: headkit has
+  no test hook). While it is frozen the parent copies the folder: exactly what a SIGKILL at
+  that instant leaves on disk (written data is in the page cache, nothing more will be
+  written). The child then continues, so one process covers every step.
+- The last save is really killed: the parent polls the folder and sends SIGKILL as soon as
+  the temporary heads file appears, in the middle of writing it.
+
+The parent then loads every copy and the killed folder and checks predictions are
+bit-identical to v1 (commit not reached) or to v2 (commit done): never a mix, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from headkit import HeadedModel
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/stat").exists() or sys.platform != "linux",
+    reason="reads process states from /proc (Linux)",
+)
+
+#: (name the os.replace destination starts with, "before" or "after" the rename)
+STOPS = [
+    ("heads-", "before"),
+    ("heads-", "after"),
+    ("backbone-", "before"),
+    ("head_configs.json", "before"),
+    ("head_configs.json", "after"),
+]
+#: Whether each stop is past the commit point (the manifest replace).
+COMMITTED = [False, False, False, False, True]
+
+CHILD = r"""
+import json, os, signal, sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import GPT2Config, GPT2Model
+
+from headkit import HeadConfig, HeadedModel
+
+work, stops = Path(sys.argv[1]), json.loads(sys.argv[2])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+heads = [
+    HeadConfig("big", num_outputs=50_000),  # 6.4 MB of weights: the write takes a while
+    HeadConfig("cls", num_outputs=3, pred_for_sequence=True, pooling="mean"),
+]
+model = HeadedModel(GPT2Model(config), heads).eval()
+ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+
+def predictions(name):
+    with torch.no_grad():
+        save_file(model(ids, attention_mask=mask).preds_by_head, str(work / name))
+
+def freeze():
+    os.kill(os.getpid(), signal.SIGSTOP)  # the parent inspects, then sends SIGCONT
+
+for k in range(len(stops) + 1):
+    model.save_pretrained(work / f"ckpt{k}")
+predictions("v1.safetensors")
+with torch.no_grad():
+    for p in model.heads.parameters():
+        p.mul_(-0.5).add_(0.01)
+predictions("v2.safetensors")
+freeze()  # ready: every folder holds v1
+
+real_replace, stop = os.replace, None
+
+def replace(src, dst):
+    hit = stop is not None and Path(dst).name.startswith(stop[0])
+    if hit and stop[1] == "before":
+        freeze()
+    real_replace(src, dst)
+    if hit and stop[1] == "after":
+        freeze()
+
+os.replace = replace
+for k, stop in enumerate(stops):
+    model.save_pretrained(work / f"ckpt{k}")
+stop = None
+freeze()  # the next save is killed for real
+model.save_pretrained(work / f"ckpt{len(stops)}")
+print("the final save completed", flush=True)
+"""
+
+
+def wait_until_stopped(child: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
+    """Block until the child is in state T (stopped); fail with its log if it exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            pytest.fail(f"child exited with {child.returncode}:\n{log.read_text()[-3000:]}")
+        state = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        time.sleep(0.005)
+    child.kill()
+    pytest.fail(f"child did not reach its stop point:\n{log.read_text()[-3000:]}")
+
+
+def predict(folder: Path, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    model = HeadedModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).preds_by_head
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> dict:
+    """Run the child once; return the folders left at each stop and by the kill."""
+    work = tmp_path_factory.mktemp("atomic")
+    script, log = work / "child.py", work / "child.log"
+    script.write_text(CHILD)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        child = subprocess.Popen(
+            [sys.executable, str(script), str(work), json.dumps(STOPS)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        wait_until_stopped(child, log)
+        v1_manifests = [
+            (work / f"ckpt{k}/head_configs.json").read_bytes() for k in range(len(STOPS) + 1)
+        ]
+        snapshots, committed = [], []
+        for k in range(len(STOPS)):
+            os.kill(child.pid, signal.SIGCONT)
+            wait_until_stopped(child, log)
+            snap = work / f"snapshot{k}"
+            shutil.copytree(work / f"ckpt{k}", snap, symlinks=True)
+            snapshots.append(snap)
+            committed.append((snap / "head_configs.json").read_bytes() != v1_manifests[k])
+
+        killed = work / f"ckpt{len(STOPS)}"
+        os.kill(child.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith(".tmp-") for p in killed.iterdir()):
+            assert time.monotonic() < deadline and child.poll() is None, log.read_text()
+            time.sleep(0.0002)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=60)
+        leftovers = sorted(p.name for p in killed.iterdir() if p.name.startswith(".tmp-"))
+        killed_committed = (killed / "head_configs.json").read_bytes() != v1_manifests[-1]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return {
+        "v1": load_file(work / "v1.safetensors"),
+        "v2": load_file(work / "v2.safetensors"),
+        "snapshots": snapshots,
+        "committed": committed,
+        "killed": killed,
+        "killed_committed": killed_committed,
+        "leftovers": leftovers,
+        "returncode": child.returncode,
+    }
+
+
+IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+
+
+def test_versions_differ(interrupted):
+    """Control: v1 and v2 predictions differ, so "equal to v1" really identifies v1."""
+    assert not same(interrupted["v1"], interrupted["v2"])
+
+
+def test_the_commit_point_is_the_manifest_replace(interrupted):
+    assert interrupted["committed"] == COMMITTED
+
+
+@pytest.mark.parametrize("k", range(len(STOPS)), ids=[f"{n}-{w}" for n, w in STOPS])
+def test_a_save_stopped_at_each_step_loads_as_exactly_one_version(interrupted, k, single_thread):
+    preds = predict(interrupted["snapshots"][k], IDS, MASK)
+    expected = "v2" if interrupted["committed"][k] else "v1"
+    other = "v1" if expected == "v2" else "v2"
+    assert same(preds, interrupted[expected])
+    assert not same(preds, interrupted[other])
+
+
+def test_a_save_killed_while_writing_loads_as_exactly_one_version(interrupted, single_thread):
+    assert interrupted["returncode"] == -signal.SIGKILL  # it was killed, it did not finish
+    preds = predict(interrupted["killed"], IDS, MASK)
+    expected = "v2" if interrupted["killed_committed"] else "v1"
+    assert same(preds, interrupted[expected])
+
+
+def test_the_next_save_clears_what_an_interrupted_one_left(interrupted, tmp_path, single_thread):
+    """The folder stopped just before the commit holds the new heads file, the new backbone
+    folder and the temporary manifest; loading ignores them, saving again removes them."""
+    folder = Path(shutil.copytree(interrupted["snapshots"][3], tmp_path / "ckpt"))
+    assert len(list(folder.glob("heads-*"))) == 2 and list(folder.glob(".tmp-*"))
+    model = HeadedModel.from_pretrained(folder)
+    model.save_pretrained(folder)
+    names = sorted(p.name for p in folder.iterdir())
+    assert [n.split("-")[0] for n in names] == ["backbone", "head_configs.json", "heads"], names
+    assert same(predict(folder, IDS, MASK), interrupted["v1"])
