@@ -363,7 +363,9 @@ def load_checkpoint(
     try:
         model.set_loss_weighting(weighting.get("name", "fixed"), **w_kwargs)
     except (ConfigError, TypeError) as e:
-        raise CheckpointError(f"{MANIFEST}: loss_weighting={weighting!r} is invalid: {e}") from None
+        raise CheckpointError(
+            f"{str(root / MANIFEST)!r}: loss_weighting={weighting!r} is invalid: {e}"
+        ) from None
     load_head_weights(model, state, str(root))
     if bb.get("kind") == "reference":
         model.backbone_source = {k: bb[k] for k in ("source", "kwargs", "dtype") if k in bb}

@@ -200,7 +200,11 @@ class HeadConfig:
 
     @classmethod
     def from_json(cls, text: str) -> HeadConfig:
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError, RecursionError) as e:
+            raise ConfigError(f"HeadConfig.from_json: not valid JSON ({e})") from None
+        return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> HeadConfig:
         """A validated copy with some fields changed."""

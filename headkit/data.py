@@ -110,8 +110,19 @@ class HeadedCollator:
                 )
         batch["attention_mask"] = self._pad(masks, 0, width)
         for key in ("token_type_ids", "position_ids"):
-            if any(key in f for f in features):
-                rows = [_as_1d(f[key], key, i) for i, f in enumerate(features)]
+            if any(f.get(key) is not None for f in features):
+                rows = [
+                    _as_1d(f[key], key, i)
+                    if f.get(key) is not None
+                    else torch.zeros(n, dtype=torch.long)
+                    for i, (f, n) in enumerate(zip(features, lengths))
+                ]
+                for i, (r, n) in enumerate(zip(rows, lengths)):
+                    if len(r) != n:
+                        raise BatchError(
+                            f"HeadedCollator: feature {i} has {key} of length {len(r)} but "
+                            f"input_ids of length {n}"
+                        )
                 batch[key] = self._pad(rows, _TOKEN_INPUTS[key], width)
 
         targets = [

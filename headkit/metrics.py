@@ -192,8 +192,11 @@ class HeadwiseMetrics:
 
     def __init__(self, model: Any) -> None:
         self.head_configs: dict[str, HeadConfig] = dict(model.head_configs)
+        self._meters: dict[str, HeadMetric] | None = None
 
-    def __call__(self, eval_pred: Any) -> dict[str, float]:
+    def __call__(self, eval_pred: Any, compute_result: bool = True) -> dict[str, float]:
+        """Metrics of ``eval_pred``; with Trainer's ``batch_eval_metrics=True`` batches
+        accumulate until ``compute_result=True``."""
         preds, labels = eval_pred.predictions, eval_pred.label_ids
         if isinstance(preds, (tuple, list)):
             dicts = [p for p in preds if isinstance(p, Mapping)]
@@ -204,13 +207,23 @@ class HeadwiseMetrics:
                 f"(got {type(preds).__name__} and {type(labels).__name__}); collate with "
                 "HeadedCollator, which puts labels under batch['labels']"
             )
-        out: dict[str, float] = {}
-        for name, cfg in self.head_configs.items():
-            if name not in preds or labels.get(cfg.target) is None:
-                continue
-            for metric, value in compute_head_metrics(cfg, preds[name], labels[cfg.target]).items():
-                out[f"{name}_{metric}"] = value
-        return out
+        if self._meters is None:
+            self._meters = {n: HeadMetric(c) for n, c in self.head_configs.items()}
+        try:
+            for name, cfg in self.head_configs.items():
+                if name in preds and labels.get(cfg.target) is not None:
+                    self._meters[name].update(preds[name], labels[cfg.target])
+        except Exception:
+            self._meters = None  # a failed evaluation must not leak into the next one
+            raise
+        if not compute_result:
+            return {}
+        meters, self._meters = self._meters, None
+        return {
+            f"{name}_{metric}": value
+            for name, meter in meters.items()
+            for metric, value in meter.compute().items()
+        }
 
 
 def evaluate_head_wise(

@@ -184,6 +184,18 @@ class HeadedModel(nn.Module):
             else:
                 lin.bias.zero_()
 
+    def train(self, mode: bool = True) -> HeadedModel:
+        """Set train/eval mode; a fully frozen backbone stays in eval mode.
+
+        Its dropout would only add noise to features nothing learns from, make losses
+        depend on how batches are split, and break the equivalence with cached features.
+        A backbone with any trainable parameter (fine-tuning, LoRA) follows ``mode``.
+        """
+        super().train(mode)
+        if mode and not any(p.requires_grad for p in self.backbone.parameters()):
+            self.backbone.eval()
+        return self
+
     def set_loss_weighting(self, scheme: str | LossWeighting, **kwargs: Any) -> None:
         """Choose how head losses combine: "fixed", "adaptive", "uncertainty" or a module."""
         weights = {n: c.loss_weight for n, c in self.head_configs.items()}
@@ -398,8 +410,10 @@ def _int_ids(name: str, value: Any, shape: tuple[int, ...] | None) -> None:
             f"{name} must be a torch.Tensor, got {type(value).__name__}; "
             "use tokenizer(..., return_tensors='pt')"
         )
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise BatchError(f"{name} must hold integer ids, got dtype {value.dtype}")
+    if value.dtype not in (torch.int64, torch.int32):  # what embedding lookups accept
+        raise BatchError(
+            f"{name} must hold integer ids of dtype torch.int64 or torch.int32, got {value.dtype}"
+        )
     if shape is not None and tuple(value.shape) != shape:
         raise BatchError(
             f"{name} of shape {tuple(value.shape)} does not match the inputs; expected {shape}"

@@ -179,8 +179,8 @@ class MaxPooling(PoolingStrategy):
 class WeightedMeanPooling(PoolingStrategy):
     """Position-weighted mean, weights 1..n over the real tokens (SGPT, for decoders).
 
-    Weights count real tokens only, so left and right padding give the same result
-    (sentence-transformers' "weightedmean" counts absolute positions instead).
+    Weights count real tokens only, so left and right padding give the same result (as
+    sentence-transformers' "weightedmean" does since it starts at the first real token).
     """
 
     def forward(

@@ -51,15 +51,31 @@ class HeadedTrainer(Trainer):
     """``transformers.Trainer`` for a HeadedModel: headkit checkpoints, per-head eval losses,
     predictions by head. ``data_collator`` defaults to ``HeadedCollator(model, tokenizer)``."""
 
-    def __init__(self, model: Any = None, args: Any = None, data_collator: Any = None, **kwargs):
+    def __init__(
+        self,
+        model: Any = None,
+        args: Any = None,
+        data_collator: Any = None,
+        *rest: Any,
+        **kwargs: Any,
+    ) -> None:
         if model is None or not hasattr(model, "head_configs"):
             raise ConfigError(
                 f"HeadedTrainer: model={type(model).__name__} is invalid; a HeadedModel "
                 "(use transformers.Trainer for other models)"
             )
         if data_collator is None:
-            data_collator = HeadedCollator(model, kwargs.get("processing_class"))
-        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+            # Trainer's positional order: train_dataset, eval_dataset, processing_class, ...
+            tokenizer = kwargs.get("processing_class", rest[2] if len(rest) > 2 else None)
+            data_collator = HeadedCollator(model, tokenizer)
+        super().__init__(model, args, data_collator, *rest, **kwargs)
+        if self.args.label_smoothing_factor:
+            # Trainer would pop batch["labels"] and smooth outputs["logits"], which a
+            # HeadedModel does not have: each head computes its own loss.
+            raise ConfigError(
+                f"HeadedTrainer: label_smoothing_factor={self.args.label_smoothing_factor} is "
+                "not supported; allowed: 0 (heads compute their own losses)"
+            )
         self._head_loss_sums: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ evaluation
@@ -128,7 +144,9 @@ class HeadedTrainer(Trainer):
             return None
         os.makedirs(output_dir, exist_ok=True)
         self._headed().save_pretrained(output_dir)
-        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        tokenizer = self.processing_class
+        if tokenizer is None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(output_dir)
         # JSON instead of Trainer's pickled training_args.bin: checkpoints hold no pickle.

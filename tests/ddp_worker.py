@@ -3,8 +3,8 @@
 ``python ddp_worker.py OUT_DIR PER_DEVICE_BATCH`` trains a tiny GPT-2 with three heads
 ("aux" never gets labels) with HeadedTrainer for STEPS steps, DDP over gloo when launched by
 torchrun (``ddp_find_unused_parameters=False``: every parameter must take part in each
-step). Each rank writes ``rank<r>.safetensors`` (its head weights) and ``rank<r>.json``
-(logged losses, whether it may save, how often it called save_pretrained).
+step), then evaluates. Each rank writes ``rank<r>.safetensors`` (its head weights) and
+``rank<r>.json`` (logged losses, eval metrics, whether it may save, its save_pretrained calls).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-from headkit import HeadConfig, HeadedModel
+from headkit import HeadConfig, HeadedModel, HeadwiseMetrics
 from headkit.training import HeadedTrainer
 
 STEPS = 3
@@ -74,6 +74,7 @@ def main(out_dir: str, per_device_batch: int) -> None:
     args = TrainingArguments(
         output_dir=str(out / "run"),
         per_device_train_batch_size=per_device_batch,
+        per_device_eval_batch_size=per_device_batch,
         max_steps=STEPS,
         learning_rate=5e-2,
         logging_steps=1,
@@ -87,8 +88,16 @@ def main(out_dir: str, per_device_batch: int) -> None:
         disable_tqdm=True,
         seed=0,
     )
-    trainer = HeadedTrainer(model=model, args=args, train_dataset=build_data())
+    data = build_data()
+    trainer = HeadedTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data,
+        compute_metrics=HeadwiseMetrics(model),
+    )
     trainer.train()
+    metrics = trainer.evaluate()
     rank = int(os.environ.get("RANK", "0"))
     state = {k: v.detach().contiguous().cpu() for k, v in model.head_state_dict().items()}
     save_file(state, str(out / f"rank{rank}.safetensors"))
@@ -96,6 +105,7 @@ def main(out_dir: str, per_device_batch: int) -> None:
     report = {
         "world_size": args.world_size,
         "losses": losses,
+        "eval": {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k},
         "should_save": args.should_save,
         "saves": saves,
     }

@@ -76,6 +76,12 @@ def test_two_ranks_match_one_process_and_only_rank0_saves(tmp_path: Path) -> Non
     assert single["world_size"] == 1
     assert len(single["losses"]) == ddp_worker.STEPS
     assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    # evaluation gathers predictions and per-head losses from both ranks
+    evals = ranks[0]["eval"]
+    assert evals.keys() == single["eval"].keys() and ranks[1]["eval"] == evals
+    assert {"eval_loss", "eval_cls_loss", "eval_tok_loss", "eval_cls_accuracy"} <= evals.keys()
+    for k, v in single["eval"].items():
+        assert evals[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
 
     w0, w1 = (load_file(str(ddp_dir / f"rank{r}.safetensors")) for r in (0, 1))
     ws = load_file(str(single_dir / "rank0.safetensors"))

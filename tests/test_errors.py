@@ -379,14 +379,21 @@ BATCH_CASES = [
         "input_ids of a floating dtype",
         lambda m: run(m, input_ids=IDS.float()),
         BatchError,
-        (r"input_ids must hold integer ids", r"torch\.float32"),
+        (r"input_ids must hold integer ids", r"torch\.int64 or torch\.int32, got torch\.float32"),
     ),
     Case(
         "input-ids-bool",
         "input_ids of dtype bool",
         lambda m: run(m, input_ids=IDS > 7),
         BatchError,
-        (r"input_ids must hold integer ids", r"torch\.bool"),
+        (r"input_ids must hold integer ids", r"got torch\.bool"),
+    ),
+    Case(
+        "input-ids-int16",
+        "input_ids of an integer dtype embeddings do not take",
+        lambda m: run(m, input_ids=IDS.short()),
+        BatchError,
+        (r"input_ids must hold integer ids", r"got torch\.int16"),
     ),
     Case(
         "input-ids-3d",

@@ -183,3 +183,17 @@ def test_headwise_metrics_reads_trainer_outputs() -> None:
     # the vanilla Trainer's tuple (loss dicts first, preds_by_head last) reads the same
     vanilla = ({k: np.float32(1.0) for k in preds}, {}, preds)
     assert metrics(SimpleNamespace(predictions=vanilla, label_ids=labels)) == flat
+    # batch_eval_metrics=True: batches accumulate until compute_result=True
+    halves = [slice(0, 6), slice(6, None)]
+    parts = [
+        SimpleNamespace(
+            predictions={k: v[h] for k, v in preds.items()},
+            label_ids={k: v[h] for k, v in labels.items()},
+        )
+        for h in halves
+    ]
+    assert metrics(parts[0], compute_result=False) == {}
+    streamed = metrics(parts[1], compute_result=True)
+    assert streamed.keys() == flat.keys()
+    for k in flat:
+        assert streamed[k] == pytest.approx(flat[k], rel=1e-9), k

@@ -344,3 +344,37 @@ def test_attention_pooling_is_trained_and_saved_with_the_head(tmp_path) -> None:
     with torch.no_grad():
         after = loaded(input_ids=ids, attention_mask=mask).preds_by_head["s"]
     torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------- the example
+def test_compare_pooling_example_runs_end_to_end(tmp_path, monkeypatch) -> None:
+    """examples/compare_pooling.py on 40 MiniLM texts and 2 layers (keeps it from rotting)."""
+    import csv
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "compare_pooling.py"
+    spec = importlib.util.spec_from_file_location("compare_pooling", path)
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # dataclasses look it up there
+    spec.loader.exec_module(example)
+    csv_path, png_path = tmp_path / "cmp.csv", tmp_path / "cmp.png"
+    args = ["--models", "minilm", "--minilm-train", "30", "--minilm-test", "10"]
+    args += ["--layers", "2,-1", "--steps", "5", "--attention-epochs", "1"]
+    args += ["--csv", str(csv_path), "--png", str(png_path), "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        results = example.main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+    strategies = {"first", "last", "mean", "max", "mean_sqrt_len", "weighted_mean", "pooler"}
+    strategies.add("attention")
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(results) == 2 * len(strategies)
+    assert {r["strategy"] for r in rows} == strategies
+    assert {r["layer"] for r in rows} == {"2", "6"}
+    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

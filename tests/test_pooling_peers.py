@@ -4,7 +4,8 @@
 - ``GPT2ForSequenceClassification`` / ``LlamaForSequenceClassification``: pooling="last" +
   the peer's ``score`` weights, with right padding, left padding and pad == eos.
 - sentence-transformers all-MiniLM-L6-v2: Transformer → Pooling(mean) (before Normalize)
-  equals pooling="mean" on layer -1 of the packaged model.
+  equals pooling="mean" on layer -1 of the packaged model; its Pooling module's other modes
+  equal headkit's strategies of the same meaning, for both padding sides.
 """
 
 from __future__ import annotations
@@ -226,3 +227,31 @@ def test_mean_pooling_equals_sentence_transformers_minilm() -> None:
     torch.testing.assert_close(
         torch.nn.functional.normalize(got, dim=-1), normalised, atol=1e-5, rtol=1e-5
     )
+
+
+ST_MODES = {
+    "cls": "first",
+    "lasttoken": "last",
+    "mean": "mean",
+    "max": "max",
+    "mean_sqrt_len_tokens": "mean_sqrt_len",
+    "weightedmean": "weighted_mean",
+}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_every_sentence_transformers_pooling_mode_matches(side: str) -> None:
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    from headkit import SequencePooling
+
+    hidden = 8
+    _, mask = _padded(_random_seqs([5, 1, 3, 4], seed=5), side, PAD)
+    states = torch.randn(*mask.shape, hidden, generator=torch.Generator().manual_seed(6))
+    theirs = Pooling(hidden, pooling_mode=tuple(ST_MODES))
+    ours = SequencePooling(list(ST_MODES.values()), hidden)
+    with torch.no_grad():
+        features = {"token_embeddings": states, "attention_mask": mask}
+        want = theirs(features)["sentence_embedding"]
+        got = ours(states, mask)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -12,6 +12,7 @@ from conftest import build_tiny
 from transformers import Trainer, TrainingArguments
 
 from headkit import (
+    ConfigError,
     HeadConfig,
     HeadedCollator,
     HeadedModel,
@@ -238,3 +239,10 @@ def test_nonfinite_loss_skip_leaves_the_head_out_and_training_goes_on(tmp_path: 
     after = _heads(model)
     assert all(torch.isfinite(v).all() for v in after.values())
     assert not torch.equal(before["heads.sent.mlp.0.weight"], after["heads.sent.mlp.0.weight"])
+
+
+def test_headed_trainer_rejects_what_it_cannot_train(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model=GPT2LMHeadModel is invalid"):
+        HeadedTrainer(model=build_tiny("gpt2", num_layers=1), args=_args(tmp_path))
+    with pytest.raises(ConfigError, match=r"label_smoothing_factor=0.1"):
+        HeadedTrainer(model=_model(), args=_args(tmp_path, label_smoothing_factor=0.1))
