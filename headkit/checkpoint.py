@@ -46,8 +46,9 @@ def backbone_fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     items = list(model.state_dict().items())
     with torch.no_grad():
-        sums = [t.detach().double().sum() for _, t in items]
-        abs_sums = [t.detach().double().abs().sum() for _, t in items]
+        # float64 accumulation without float64 copies of the (possibly huge) tensors
+        sums = [t.detach().sum(dtype=torch.float64) for _, t in items]
+        abs_sums = [t.detach().abs().sum(dtype=torch.float64) for _, t in items]
         values = torch.stack(sums + abs_sums).cpu().tolist() if items else []
     for (name, t), v in zip(items, values):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{v!r};".encode())
