@@ -146,38 +146,58 @@ def main() -> None:
 
     # Epoch 1 of recompute and the cache pass, alternated batch by batch (A B A B ...), so
     # both see the same machine conditions; cache time = the pass minus the recompute steps.
-    pair_times: list[float] = []
-    pair_losses: list[float] = []
+    def paired_pass(rec_model, rec_opt, cache_model):
+        """(recompute seconds, cache seconds, other cores, epoch-1 losses, features)."""
+        times: list[float] = []
+        losses: list[float] = []
 
-    class Paired(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            for s in range(0, len(rows), args.batch_size):
-                batch = collate([rows[i] for i in orders[0][s : s + args.batch_size]])
-                t0 = time.perf_counter()
-                with torch.enable_grad():  # iterated inside cache_features' no_grad
-                    out = recompute(**batch)
-                    opt.zero_grad()
-                    out.loss.backward()
-                    opt.step()
-                pair_losses.append(float(out.loss.detach()))
-                pair_times.append(time.perf_counter() - t0)
-                yield collate(rows[s : s + args.batch_size])
+        class Paired(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                for s in range(0, len(rows), args.batch_size):
+                    batch = collate([rows[i] for i in orders[0][s : s + args.batch_size]])
+                    t0 = time.perf_counter()
+                    with torch.enable_grad():  # iterated inside cache_features' no_grad
+                        out = rec_model(**batch)
+                        rec_opt.zero_grad()
+                        out.loss.backward()
+                        rec_opt.step()
+                    losses.append(float(out.loss.detach()))
+                    times.append(time.perf_counter() - t0)
+                    yield collate(rows[s : s + args.batch_size])
 
-    loader = torch.utils.data.DataLoader(Paired(), batch_size=None, collate_fn=lambda b: b)
-    holder: dict = {}
-    wall, other, _ = timed(lambda: holder.update(f=cache_features(cached, loader)), None)
-    feats = holder["f"]
-    recompute_losses.append(sum(pair_losses) / len(pair_losses))
-    epochs = [{"epoch": 1, "seconds": sum(pair_times), "other_cores": other, "tries": 1}]
-    phases["cache"] = {"seconds": wall - sum(pair_times), "other_cores": other, "tries": 1}
+        loader = torch.utils.data.DataLoader(Paired(), batch_size=None, collate_fn=lambda b: b)
+        held: dict = {}
+        wall, other, _ = timed(lambda: held.update(f=cache_features(cache_model, loader)), None)
+        return sum(times), wall - sum(times), other, losses, held["f"]
+
+    rec_s, cache_s, other, losses, feats = paired_pass(recompute, opt, cached)
+    recompute_losses.append(sum(losses) / len(losses))
+    tries = 1
+    while other > MAX_LOAD and tries <= args.retries:  # re-time on throwaway copies
+        tries += 1
+        m = copy.deepcopy(base)
+        o = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=args.lr)
+        rec_s, cache_s, other, _, _ = paired_pass(m, o, copy.deepcopy(base))
+    epochs = [{"epoch": 1, "seconds": rec_s, "other_cores": other, "tries": tries}]
+    phases["cache"] = {"seconds": cache_s, "other_cores": other, "tries": tries}
     print(
-        f"recompute epoch 1: {sum(pair_times):.2f} s, cache pass: {wall - sum(pair_times):.2f} s "
+        f"recompute epoch 1: {rec_s:.2f} s, cache pass: {cache_s:.2f} s "
         f"(alternated; other load {other:.2f} cores)"
     )
 
     def run_train():
         cached_losses[:] = train_heads_on_features(
             cached,
+            feats,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+        )
+
+    def replay_train():
+        train_heads_on_features(
+            copy.deepcopy(base),
             feats,
             epochs=args.epochs,
             batch_size=args.batch_size,
@@ -202,11 +222,11 @@ def main() -> None:
         epochs.append({"epoch": e + 1, "seconds": wall, "other_cores": other, "tries": tries})
         print(f"recompute epoch {e + 1}: {wall:.2f} s (other load {other:.2f} cores)")
         if e == args.epochs // 2:
-            wall, other, tries = timed(run_train, None)
+            wall, other, tries = timed(run_train, replay_train, args.retries)
             phases["train"] = {"seconds": wall, "other_cores": other, "tries": tries}
             print(f"cached training ({args.epochs} epochs): {wall:.2f} s")
     if "train" not in phases:
-        wall, other, tries = timed(run_train, None)
+        wall, other, tries = timed(run_train, replay_train, args.retries)
         phases["train"] = {"seconds": wall, "other_cores": other, "tries": tries}
 
     recompute_s = sum(x["seconds"] for x in epochs)

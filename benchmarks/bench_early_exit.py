@@ -32,6 +32,7 @@ from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel
 from headkit import HeadConfig, HeadedModel
 
 LAYERS, HIDDEN, BATCH, SEQ = 12, 256, 8, 128
+MEM_BATCH, MEM_SEQ = 32, 256  # memory: a batch where activations dominate allocator noise
 
 
 def build(arch: str, n_layers: int = LAYERS):
@@ -65,9 +66,9 @@ def truncated(model, k: int):
     return m
 
 
-def scenarios(arch: str, k: int):
+def scenarios(arch: str, k: int, batch: int = BATCH, seq: int = SEQ):
     model = build(arch)
-    ids = torch.randint(0, 1000, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(1))
     probe_k = HeadedModel(model, [HeadConfig("probe", layer_hook=k, num_outputs=2)]).eval()
     probe_last = HeadedModel(model, [HeadConfig("probe", layer_hook=-1, num_outputs=2)]).eval()
     floor = truncated(model, k)
@@ -106,13 +107,19 @@ def time_all(arch: str, k: int, warmup: int, steps: int) -> dict[str, float]:
 
 
 def peak_memory(arch: str, k: int, name: str) -> float:
-    """Peak RSS (MiB) of a fresh process running one scenario, minus the same process idle."""
+    """Peak RSS (MiB) reached while running one scenario, above the RSS before it.
+
+    A fresh process builds the models, resets the kernel's peak-RSS counter
+    (``/proc/self/clear_refs``), runs the scenario twice and reads ``VmHWM``.
+    """
     code = (
-        "import resource, sys, torch; sys.path.insert(0, %r); import bench_early_exit as b;"
-        "torch.set_num_threads(2); runs = b.scenarios(%r, %d); fn = runs[%r];"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "import sys, torch; sys.path.insert(0, %r); import bench_early_exit as b;"
+        "torch.set_num_threads(2); fn = b.scenarios(%r, %d, b.MEM_BATCH, b.MEM_SEQ)[%r];"
+        "kb = lambda key: int([l for l in open('/proc/self/status') if l.startswith(key)][0]"
+        ".split()[1]);"
+        "open('/proc/self/clear_refs', 'w').write('5'); base = kb('VmRSS')\n"
         "with torch.inference_mode():\n    fn(); fn()\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
+        "print((kb('VmHWM') - base) / 1024)"
     ) % (str(Path(__file__).parent), arch, k, name)
     # plain glibc settings here: the benchmark's malloc padding would hide the peak
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
@@ -120,6 +127,10 @@ def peak_memory(arch: str, k: int, name: str) -> float:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def median_peak_memory(arch: str, k: int, name: str, repeats: int = 3) -> float:
+    return statistics.median(peak_memory(arch, k, name) for _ in range(repeats))
 
 
 def main() -> None:
@@ -162,7 +173,7 @@ def main() -> None:
         }
         if not args.no_memory:
             for name in ("full", f"headkit_{k}", f"allstates_{k}"):
-                r[f"peak_mib_{name}"] = peak_memory(arch, k, name)
+                r[f"peak_mib_{name}"] = median_peak_memory(arch, k, name)
         results[arch] = r
         print(arch, json.dumps(r, indent=1), flush=True)
         lines.append(
@@ -173,7 +184,8 @@ def main() -> None:
     if not args.no_memory:
         lines += [
             "",
-            "Peak RSS above an idle process (MiB), one fresh process per scenario:",
+            f"Peak RSS while running, above the RSS before (MiB; batch {MEM_BATCH} x {MEM_SEQ}, "
+            "median of 3 fresh processes per scenario):",
             "",
             "| model | full | headkit layer-%d | predecessor design layer-%d |" % (k, k),
             "|---|---|---|---|",
