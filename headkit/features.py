@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from .backbone import run_backbone
 from .errors import BatchError, CheckpointError, ConfigError
-from .losses import IGNORE_INDEX, LOSSES, head_loss
+from .losses import IGNORE_INDEX, LOSSES, head_loss, labels_as_tensor
 from .model import HeadedModel
 
 FORMAT = "headkit-cached-features"
@@ -330,7 +330,7 @@ def _cache_batch(
             x = hidden[real]  # (batch tokens, hidden)
         writer.append(f"features/{info['features']}", x.to(dtype))
     for target, y in labels.items():
-        y = _labels_tensor(target, y, ref.device)
+        y = labels_as_tensor(y, ref.device, f"target {target!r}")
         if targets[target] == "sequence":
             if y.dim() == 0 or y.shape[0] != ref.shape[0]:
                 raise BatchError(
@@ -453,17 +453,6 @@ def _split_batch(
         inputs["use_cache"] = False
     labels = {k: v for k, v in batch.items() if k in targets and v is not None}
     return inputs, mask, labels
-
-
-def _labels_tensor(target: str, y: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(y, torch.Tensor):
-        return y.to(device)
-    try:
-        return torch.as_tensor(y, device=device)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise BatchError(
-            f"target {target!r}: labels of type {type(y).__name__} cannot become a tensor ({e})"
-        ) from None
 
 
 def _contiguous(real: torch.Tensor) -> bool:

@@ -87,7 +87,7 @@ def head_loss(
     counts the loss is an exact zero that still belongs to the graph.
     """
     spec: LossSpec = LOSSES.get(cfg.loss_fct)
-    labels = _as_tensor(cfg, labels, preds.device)
+    labels = labels_as_tensor(labels, preds.device, _head(cfg))
     batch = preds.shape[0]
     n_out = preds.shape[-1]
     if labels.dim() == 0 or labels.shape[0] != batch:
@@ -175,12 +175,13 @@ def head_loss(
 _NUMERIC = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool}
 
 
-def _as_tensor(cfg: HeadConfig, labels, device) -> torch.Tensor:
+def labels_as_tensor(labels, device, where: str) -> torch.Tensor:
+    """``labels`` (tensor, list, array) as a tensor on ``device``; BatchError naming ``where``."""
     if isinstance(labels, torch.Tensor):
         return labels.to(device)
     try:
         return torch.as_tensor(labels, device=device)
     except (TypeError, ValueError, RuntimeError) as e:
         raise BatchError(
-            f"{_head(cfg)}: labels of type {type(labels).__name__} cannot become a tensor ({e})"
+            f"{where}: labels of type {type(labels).__name__} cannot become a tensor ({e})"
         ) from None
