@@ -96,33 +96,11 @@ class HeadedCollator:
             m = self.pad_to_multiple_of
             width = -(-width // m) * m
         batch: dict[str, Any] = {"input_ids": self._pad(ids, self.pad_token_id, width)}
-        masks = [
-            _as_1d(f["attention_mask"], "attention_mask", i)
-            if f.get("attention_mask") is not None
-            else torch.ones(n, dtype=torch.long)
-            for i, (f, n) in enumerate(zip(features, lengths))
-        ]
-        for i, (m, n) in enumerate(zip(masks, lengths)):
-            if len(m) != n:
-                raise BatchError(
-                    f"HeadedCollator: feature {i} has attention_mask of length {len(m)} but "
-                    f"input_ids of length {n}"
-                )
+        masks = _token_rows(features, lengths, "attention_mask", fill=1)
         batch["attention_mask"] = self._pad(masks, 0, width)
         for key in ("token_type_ids", "position_ids"):
             if any(f.get(key) is not None for f in features):
-                rows = [
-                    _as_1d(f[key], key, i)
-                    if f.get(key) is not None
-                    else torch.zeros(n, dtype=torch.long)
-                    for i, (f, n) in enumerate(zip(features, lengths))
-                ]
-                for i, (r, n) in enumerate(zip(rows, lengths)):
-                    if len(r) != n:
-                        raise BatchError(
-                            f"HeadedCollator: feature {i} has {key} of length {len(r)} but "
-                            f"input_ids of length {n}"
-                        )
+                rows = _token_rows(features, lengths, key, fill=0)
                 batch[key] = self._pad(rows, _TOKEN_INPUTS[key], width)
 
         targets = [
@@ -239,6 +217,22 @@ class HeadedCollator:
 
 
 # ---------------------------------------------------------------------- module helpers
+def _token_rows(
+    features: list[Mapping[str, Any]], lengths: list[int], key: str, fill: int
+) -> list[torch.Tensor]:
+    """Each feature's per-token ``key`` (``fill`` where absent), checked against its length."""
+    rows = []
+    for i, (f, n) in enumerate(zip(features, lengths)):
+        row = _as_1d(f[key], key, i) if f.get(key) is not None else torch.full((n,), fill)
+        if len(row) != n:
+            raise BatchError(
+                f"HeadedCollator: feature {i} has {key} of length {len(row)} but "
+                f"input_ids of length {n}"
+            )
+        rows.append(row)
+    return rows
+
+
 def _pick_pad_id(pad_token_id: int | None, tokenizer: Any, model: Any) -> int:
     candidates = [
         pad_token_id,

@@ -136,6 +136,15 @@ class BackbonePooler(PoolingStrategy):
         return out[0] if isinstance(out, tuple) else out
 
 
+def _masked_sum_and_count(
+    hidden: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over real tokens (batch, hidden) and their count (batch, 1), at least 1."""
+    m = mask.bool()
+    total = _masked_weighted_sum(hidden, m)
+    return total, m.sum(1, keepdim=True).clamp(min=1).to(total.dtype)
+
+
 @POOLINGS.register("mean")
 class MeanPooling(PoolingStrategy):
     """Mean over non-padding tokens (sentence-transformers' default)."""
@@ -143,9 +152,7 @@ class MeanPooling(PoolingStrategy):
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
     ) -> torch.Tensor:
-        m = mask.bool()
-        total = _masked_weighted_sum(hidden, m)
-        count = m.sum(1, keepdim=True).clamp(min=1).to(total.dtype)
+        total, count = _masked_sum_and_count(hidden, mask)
         return (total / count).to(hidden.dtype)
 
 
@@ -156,9 +163,7 @@ class MeanSqrtLenPooling(PoolingStrategy):
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
     ) -> torch.Tensor:
-        m = mask.bool()
-        total = _masked_weighted_sum(hidden, m)
-        count = m.sum(1, keepdim=True).clamp(min=1).to(total.dtype)
+        total, count = _masked_sum_and_count(hidden, mask)
         return (total / count.sqrt()).to(hidden.dtype)
 
 
