@@ -11,6 +11,8 @@ from .losses import LOSSES, LossSpec
 from .metrics import HeadwiseMetrics, evaluate_head_wise
 from .model import HeadedModel, HeadedModelOutput
 from .pooling import POOLINGS, SequencePooling
+from .probe import parse_layers, probe_layers
+from .probe_results import ProbeResults, ProbeRow
 
 __version__ = "0.1.0"
 
@@ -32,10 +34,14 @@ __all__ = [
     "LossSpec",
     "MLPHead",
     "NonFiniteLossError",
+    "ProbeResults",
+    "ProbeRow",
     "SequencePooling",
     "cache_features",
     "evaluate_head_wise",
     "load_headed",
+    "parse_layers",
+    "probe_layers",
     "train_heads_on_features",
 ]
 

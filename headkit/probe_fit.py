@@ -1,0 +1,260 @@
+"""Batched linear probes: every layer, pooling, seed, label variant and L2 value in one tensor.
+
+Features ``x`` are (B, N, d): B probing problems (one per layer and pooling of one width) over
+N training rows. Output columns are indexed (seed, variant, l2[, class]). Every column group
+is an independent problem that shares only its input features with the others:
+
+- classification: multinomial logistic regression, ``mean CE over the fit rows + l2 * |W|^2``
+  (the bias is not penalised), minimised by Nesterov-accelerated gradient steps preconditioned
+  with Böhning's bound on the Hessian, ``0.5 * A^T A / n + 2 * l2`` (A = features with a ones
+  column). The bound holds at every point, so one eigendecomposition per problem serves every
+  iteration, seed and L2, and 30-100 steps reach the optimum to ~1e-5 of the objective.
+- regression: ridge, ``mean squared error over the fit rows + l2 * |w|^2``, solved exactly.
+
+Seeds differ in which training rows are held back for validation (``fit`` weights); each
+(problem, seed, variant) keeps the L2 with the best validation score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+#: Default L2 grid (per-row mean loss + l2 * |w|^2 on standardised features).
+DEFAULT_L2 = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+
+
+@dataclass
+class FitScores:
+    """Scores of the chosen probes. Shapes (B, S, V) unless noted; S seeds, V label variants.
+
+    ``test_items`` is (B, S, V, n_test): per held-out row, 1/0 correctness (classification)
+    or the squared error (regression), for bootstrap intervals.
+    """
+
+    train: torch.Tensor
+    val: torch.Tensor
+    test: torch.Tensor
+    l2: torch.Tensor
+    test_items: torch.Tensor
+
+
+def standardise(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
+    """Centre and scale each feature of each problem (B, N, d) by the training rows' statistics.
+
+    A feature that is constant on the training rows becomes 0 everywhere (not noise / 1e-6).
+    """
+    mu = train.mean(1, keepdim=True)
+    sd = train.std(1, keepdim=True)
+    flat = sd <= 1e-6 * (mu.abs() + 1.0)
+    scale = torch.where(flat, torch.zeros_like(sd), 1.0 / sd.clamp(min=1e-30))
+    return [(x - mu) * scale for x in (train, *others)]
+
+
+def fit_and_score(
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_test: torch.Tensor,
+    y_test: torch.Tensor,
+    fit: torch.Tensor,
+    l2: torch.Tensor,
+    num_classes: int | None,
+    max_iter: int = 200,
+    tol: float = 1e-4,
+    bar: tqdm | None = None,
+) -> FitScores:
+    """Train every probe on standardised ``x_train`` (B, N, d) and score the chosen ones.
+
+    ``y_train`` (V, N) and ``y_test`` (V, n_test): class indices (``num_classes`` given) or
+    values (``num_classes=None``: ridge). ``fit`` (S, N) bool: the rows each seed trains on;
+    the others validate. ``l2`` (K,).
+    """
+    fit_w = fit.float() / fit.sum(1, keepdim=True).float()  # (S, N), 1/n_fit on fit rows
+    val = ~fit
+    val_w = val.float() / val.sum(1, keepdim=True).clamp(min=1).float()
+    if num_classes is None:
+        w, b = _fit_ridge(x_train, y_train.float(), fit_w, l2)
+        if bar is not None:
+            bar.update(max_iter)
+        pred = _linear(x_train, w, b)  # (B, N, S, V, K)
+        train_score = _weighted_r2(pred, y_train.float(), fit_w)
+        val_score = _weighted_r2(pred, y_train.float(), val_w)
+    else:
+        w, b = _fit_softmax(x_train, y_train, fit_w, l2, num_classes, max_iter, tol, bar)
+        correct = (_linear(x_train, w, b).argmax(-1) == _lead(y_train, 2)).float()
+        train_score = torch.einsum("bnsvk,sn->bsvk", correct, fit_w)
+        val_score = torch.einsum("bnsvk,sn->bsvk", correct, val_w)
+    # Best validation score; ties go to the stronger penalty (the later grid entry if sorted).
+    order = torch.argsort(torch.argsort(l2)).to(val_score)  # rank of each l2, 0 = weakest
+    pick = (val_score + order * 1e-7).argmax(-1)  # (B, S, V)
+    gather = pick[..., None]
+    test_pred = _linear(x_test, w, b)  # (B, n_test, S, V, K[, C])
+    idx = gather[:, None].expand(-1, test_pred.shape[1], -1, -1, -1)
+    if num_classes is None:
+        chosen = test_pred.gather(-1, idx)[..., 0]  # (B, n_test, S, V)
+        items = (chosen - _lead(y_test.float(), 1)) ** 2
+    else:
+        hat = test_pred.argmax(-1).gather(-1, idx)[..., 0]
+        items = (hat == _lead(y_test, 1)).float()
+    items = items.permute(0, 2, 3, 1).contiguous()  # (B, S, V, n_test)
+    return FitScores(
+        train=train_score.gather(-1, gather)[..., 0],
+        val=val_score.gather(-1, gather)[..., 0],
+        test=score_items(items, y_test, num_classes is None),
+        l2=l2[pick],
+        test_items=items,
+    )
+
+
+def score_items(items: torch.Tensor, y: torch.Tensor, regression: bool) -> torch.Tensor:
+    """Accuracy (mean of 1/0 items) or R^2 = 1 - SS_res / SS_tot over the last axis.
+
+    ``y`` (V, n) for R^2; SS_tot uses the two-pass formula (centre first, then square).
+    """
+    if not regression:
+        return items.mean(-1)
+    return 1.0 - items.sum(-1) / _ss_tot(y.double()).to(items)
+
+
+def _ss_tot(y: torch.Tensor) -> torch.Tensor:
+    centred = y - y.mean(-1, keepdim=True)
+    return (centred * centred).sum(-1).clamp(min=1e-30)
+
+
+def bootstrap_interval(
+    items: torch.Tensor, y: torch.Tensor, regression: bool, resamples: int, seed: int
+) -> torch.Tensor:
+    """95% percentile interval of the seed-averaged held-out score, resampling held-out rows.
+
+    ``items`` (B, S, V, n); returns (B, V, 2). The same resamples serve every problem.
+    """
+    n = items.shape[-1]
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(n, (resamples, n), generator=g)
+    counts = torch.zeros(resamples, n).scatter_add_(1, index, torch.ones(resamples, n))
+    if regression:
+        ss_res = torch.einsum("bsvn,rn->bsvr", items.double(), counts.double())
+        # SS_tot of each resample from weighted sums; centring first keeps it stable.
+        yc = y.double() - y.double().mean(-1, keepdim=True)  # (V, n)
+        mc = yc @ counts.double().T / n
+        sq = torch.einsum("vn,rn->vr", yc * yc, counts.double()) - n * mc * mc
+        scores = (1.0 - ss_res / sq.clamp(min=1e-30)[None, None]).mean(1)  # (B, V, R)
+    else:
+        scores = items.mean(1) @ counts.T / n  # (B, V, R)
+    q = torch.tensor([0.025, 0.975], dtype=scores.dtype)
+    return torch.quantile(scores.float(), q.float(), dim=-1).permute(1, 2, 0)
+
+
+# ---------------------------------------------------------------------- solvers
+def _lead(y: torch.Tensor, trailing: int) -> torch.Tensor:
+    """(V, N) labels → (1, N, 1, V[, 1 × trailing-1]) to broadcast against (B, N, S, V, K...)."""
+    out = y.T[None, :, None, :]
+    for _ in range(trailing - 1):
+        out = out[..., None]
+    return out
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x (B, N, d) with w (B, d, *out) and b (B, *out) → (B, N, *out)."""
+    out_shape = w.shape[2:]
+    flat = torch.bmm(x, w.reshape(w.shape[0], w.shape[1], -1)) + b.reshape(b.shape[0], 1, -1)
+    return flat.view(*flat.shape[:2], *out_shape)
+
+
+def _fit_ridge(
+    x: torch.Tensor, y: torch.Tensor, fit_w: torch.Tensor, l2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact ridge per (problem, seed, variant, l2): w (B, d, S, V, K), b (B, S, V, K)."""
+    xd, yd, wd = x.double(), y.double(), fit_w.double()
+    mean_x = torch.einsum("sn,bnd->bsd", wd, xd)  # (B, S, d)
+    mean_y = wd @ yd.T  # (S, V)
+    gram = torch.einsum("bnd,sn,bne->bsde", xd, wd, xd) - torch.einsum(
+        "bsd,bse->bsde", mean_x, mean_x
+    )
+    cross = torch.einsum("bnd,sn,vn->bsdv", xd, wd, yd) - torch.einsum(
+        "bsd,sv->bsdv", mean_x, mean_y
+    )
+    evals, evecs = torch.linalg.eigh(gram)  # (B, S, d), (B, S, d, d)
+    proj = evecs.transpose(-1, -2) @ cross  # (B, S, d, V)
+    scaled = proj[..., None] / (evals[..., None, None] + l2.double())  # (B, S, d, V, K)
+    w = torch.einsum("bsde,bsevk->bsdvk", evecs, scaled)
+    b = mean_y[None, :, :, None] - torch.einsum("bsd,bsdvk->bsvk", mean_x, w)
+    return w.permute(0, 2, 1, 3, 4).float().contiguous(), b.float()
+
+
+def _fit_softmax(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    fit_w: torch.Tensor,
+    l2: torch.Tensor,
+    num_classes: int,
+    max_iter: int,
+    tol: float,
+    bar: tqdm | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2 softmax regression per (problem, seed, variant, l2): w (B, d, S, V, K, C), b."""
+    n_probs, n, d = x.shape
+    groups = (fit_w.shape[0], y.shape[0], l2.numel())  # (S, V, K)
+    c = num_classes
+    out = (*groups, c)
+    # Böhning: the softmax CE Hessian is <= 0.5 A^T A / n_fit <= 0.5 (N / min n_fit) A^T A / N.
+    n_fit = float((fit_w > 0).sum(1).min())
+    total = x.sum(1)  # (B, d)
+    gram = torch.empty(n_probs, d + 1, d + 1)
+    gram[:, :d, :d] = torch.bmm(x.transpose(1, 2), x)
+    gram[:, :d, d] = gram[:, d, :d] = total
+    gram[:, d, d] = n
+    # float32 is precise enough: the bound only sets step sizes, not where the optimum is.
+    evals, evecs = torch.linalg.eigh(gram / n)
+    evals = evals.clamp(min=0)
+    evecs_t = evecs.transpose(1, 2).contiguous()
+    k_of = torch.zeros(out) + l2[None, None, :, None]  # the l2 of each output column
+    denom = 0.5 * (n / n_fit) * evals[:, :, None] + 2 * k_of.reshape(1, 1, -1)  # (B, d+1, O)
+    penalty = (2 * k_of.reshape(1, -1)).expand(d + 1, -1).clone()
+    penalty[d] = 0.0  # no penalty on the bias
+    onehot = torch.nn.functional.one_hot(y, c).float()  # (V, N, C)
+    # (N, S, V, K, C) targets and fit weights, flattened to (N, O)
+    target = onehot.permute(1, 0, 2)[:, None, :, None, :].expand(n, *out).reshape(n, -1)
+    rows = fit_w.T[:, :, None, None, None].expand(n, *out).reshape(n, -1)
+    ones = torch.ones(n_probs, n, 1)
+    xa = torch.cat([x, ones], -1)  # (B, N, d+1)
+    xa_t = xa.transpose(1, 2).contiguous()
+    current = torch.zeros(n_probs, d + 1, rows.shape[1])
+    point = current.clone()
+    momentum = torch.ones(n_probs, 1, *groups, 1)  # Nesterov t per problem and group
+    for _ in range(max_iter):
+        logits = torch.bmm(xa, point).view(n_probs, n, -1, c)  # (B, N, S*V*K, C)
+        # softmax by hand: torch.softmax over a last axis of 2-10 classes is several times slower
+        prob = (logits - logits.amax(-1, keepdim=True)).exp_()
+        prob /= prob.sum(-1, keepdim=True)
+        resid = (prob.view(n_probs, n, -1) - target) * rows
+        grad = torch.bmm(xa_t, resid) + penalty * point  # (B, d+1, O)
+        step = torch.bmm(evecs, torch.bmm(evecs_t, grad) / denom)
+        new = point - step
+        # Adaptive restart (O'Donoghue & Candès): drop momentum where it points uphill.
+        moved = (new - current).view(n_probs, d + 1, *out)
+        uphill = ((grad.view_as(moved) * moved).sum((1, 5), keepdim=True) > 0).float()
+        t_next = (1 + torch.sqrt(1 + 4 * momentum * momentum)) / 2
+        beta = (momentum - 1) / t_next * (1 - uphill)
+        point = new + (beta * moved).view_as(new)
+        change = moved.abs().amax() / current.abs().amax().clamp(min=1e-3)
+        current, momentum = new, torch.where(uphill > 0, torch.ones_like(t_next), t_next)
+        if bar is not None:
+            bar.update(1)
+        if float(change) < tol:
+            break
+    w = current.view(n_probs, d + 1, *out)
+    return w[:, :d], w[:, d]
+
+
+def _weighted_r2(pred: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """R^2 of ``pred`` (B, N, S, V, K) on the rows weighted by ``rows`` (S, N) → (B, S, V, K)."""
+    yd, pd, wd = y.double(), pred.double(), rows.double()
+    mean = wd @ yd.T  # (S, V)
+    centred = yd.T[:, None, :] - mean[None]  # (N, S, V)
+    ss_tot = torch.einsum("sn,nsv->sv", wd, centred * centred).clamp(min=1e-30)
+    err = pd - yd.T[None, :, None, :, None]
+    ss_res = torch.einsum("bnsvk,sn->bsvk", err * err, wd)
+    return (1.0 - ss_res / ss_tot[None, :, :, None]).float()
