@@ -26,8 +26,8 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed
-	$(PIP) install -q -e ".[train]"
-	HF_HUB_OFFLINE=1 $(PY) examples/demo_sentiment.py
+	$(PIP) install -q -e ".[cli]"
+	HF_HUB_OFFLINE=1 $(PY) -m headkit demo
 
 test: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q

@@ -1,0 +1,7 @@
+"""``python -m headkit ...``: the same command line as the ``headkit`` console script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
