@@ -99,8 +99,11 @@ def _layers(text: str) -> str:
 
     try:
         parse_layers(text, 10**6)  # the syntax now; the range once the model is loaded
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; allowed: 'all', comma-separated hidden_states indices "
+            "('0,3,6'; 0 = embeddings, -1 = last) or slices ('-4:', '1:5')"
+        ) from None
     return text
 
 
