@@ -159,19 +159,25 @@ class ProbeResults:
         )
         return "\n".join(text)
 
-    def plot(self, path: str | PathLike, title: str | None = None) -> Path:
-        """Write a PNG: held-out score against layer, one line per pooling with 95% bootstrap
-        error bars, the control task dashed (if run) and the baseline dotted."""
+    def plot(
+        self, path: str | PathLike | None = None, title: str | None = None, ax: Any = None
+    ) -> Path | None:
+        """Held-out score against layer: one line per pooling with 95% bootstrap error bars,
+        the control task dashed (if run), the baseline dotted. Written as a PNG to ``path``;
+        with ``ax`` (a matplotlib Axes) drawn there instead, e.g. one panel per model."""
         try:
             import matplotlib
         except ImportError:
             raise ConfigError(
                 "plotting needs matplotlib: pip install matplotlib (or headkit[cli])"
             ) from None
-        matplotlib.use("Agg")
+        if ax is None:
+            matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig = None
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(7, 4.5))
         colors = plt.get_cmap("tab10").colors
         for i, pooling in enumerate(self.poolings):
             rows = sorted((r for r in self.rows if r.pooling == pooling), key=lambda r: r.layer)
@@ -179,20 +185,31 @@ class ProbeResults:
             ys = [r.score for r in rows]
             err = [[r.score - r.ci95[0] for r in rows], [r.ci95[1] - r.score for r in rows]]
             color = colors[i % len(colors)]
-            ax.errorbar(xs, ys, yerr=err, fmt="o-", color=color, ms=4, lw=1.4, capsize=3)
-            ax.lines[-1].set_label(pooling)
+            ax.errorbar(
+                xs, ys, yerr=err, fmt="o-", color=color, ms=3, lw=1.3, capsize=2, label=pooling
+            )
             if self.control:
-                ax.plot(xs, [r.control for r in rows], "x--", color=color, lw=1, ms=4)
-                ax.lines[-1].set_label(f"{pooling}: control task")
+                ax.plot(
+                    xs,
+                    [r.control for r in rows],
+                    "x--",
+                    color=color,
+                    lw=1,
+                    ms=4,
+                    label=f"{pooling}: control task",
+                )
         ax.axhline(self.baseline, color="gray", ls=":", label="baseline")
         ax.set_xlabel("layer (hidden_states index, 0 = embeddings)")
         ax.set_ylabel(f"held-out {self.metric}")
-        ax.set_xticks(self.layers if len(self.layers) <= 16 else ax.get_xticks())
+        if len(self.layers) <= 16:
+            ax.set_xticks(self.layers)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
         ax.set_title(title or f"{self.task} probe per layer: {Path(self.model).name}", fontsize=10)
+        if fig is None:
+            return None
         fig.tight_layout()
-        out = Path(path)
+        out = Path(path) if path is not None else Path("probe_results.png")
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
         plt.close(fig)
