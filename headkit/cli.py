@@ -238,11 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         args.run(args)
     except HeadkitError as e:
         message = " ".join(str(e).split())
-        option = next((o for k, o in _OPTIONS.items() if message.startswith(k)), None)
+        option = next(
+            (o for k, o in _OPTIONS.items() if message.startswith(k) and _has(args, o)), None
+        )
         prefix = f"argument {option}: " if option else ""
         print(f"headkit {args.command}: error: {prefix}{message}", file=sys.stderr)
         return 2
     return 0
+
+
+def _has(args: argparse.Namespace, option: str) -> bool:
+    """Whether this command has ``option`` (so an error can be reported as that argument's)."""
+    return hasattr(args, option.lstrip("-").replace("-", "_").lower())
 
 
 # ---------------------------------------------------------------------- commands
@@ -259,8 +266,10 @@ def _run_probe(args: argparse.Namespace) -> None:
         labels = [[as_class(v) for v in as_list(r[lc], lc, i)] for i, r in enumerate(rows)]
     else:
         texts = [str(r[tc]) for r in rows]
-        convert = as_class if args.task == "classification" else (lambda v: as_number(v, lc, 0))
-        labels = [convert(r[lc]) for r in rows]
+        if args.task == "classification":
+            labels = [as_class(r[lc]) for r in rows]
+        else:
+            labels = [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
     options = {"l2": args.l2} if args.l2 else {}
     results = probe_layers(
         args.model,

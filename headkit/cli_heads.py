@@ -398,21 +398,16 @@ def run_predict(
 
 
 def _readable(name: str, cfg: HeadConfig, p: torch.Tensor) -> dict[str, Any]:
-    """Columns for one prediction: (num_outputs,) for a sequence, (words, num_outputs) else."""
-    classes = cfg.extra.get("classes")
+    """Output columns of one input: ``p`` is (num_outputs,) for a sequence head and
+    (words, num_outputs) for a token head (one list entry per word)."""
     if cfg.is_regression:
-        values = p.tolist()
-        flat = [v[0] if len(v) == 1 else v for v in values] if p.dim() == 2 else values
-        return {name: flat[0] if p.dim() == 1 and len(flat) == 1 else flat}
+        values = p[..., 0] if p.shape[-1] == 1 else p
+        return {name: values.tolist()}
     if cfg.loss_fct in _BINARY:
         prob = p if cfg.loss_fct == "bce" else torch.sigmoid(p)
-        cls = (prob > 0.5).long()
-        squeeze = prob.shape[-1] == 1
-        prob_v, cls_v = (prob[..., 0], cls[..., 0]) if squeeze else (prob, cls)
-        return {name: cls_v.tolist(), f"{name}_prob": prob_v.tolist()}
-    probs = torch.softmax(p.float(), -1)
-    top, idx = probs.max(-1)
-    labels = [classes[i] if classes and i < len(classes) else i for i in idx.reshape(-1).tolist()]
-    if p.dim() == 1:
-        return {name: labels[0], f"{name}_prob": float(top)}
-    return {name: labels, f"{name}_prob": top.tolist()}
+        prob = prob[..., 0] if prob.shape[-1] == 1 else prob
+        return {name: (prob > 0.5).long().tolist(), f"{name}_prob": prob.tolist()}
+    classes = cfg.extra.get("classes") or list(range(p.shape[-1]))
+    top, index = torch.softmax(p.float(), -1).max(-1)
+    names = [classes[i] if i < len(classes) else i for i in index.reshape(-1).tolist()]
+    return {name: names[0] if p.dim() == 1 else names, f"{name}_prob": top.tolist()}
