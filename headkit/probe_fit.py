@@ -194,45 +194,47 @@ def _fit_softmax(
     tol: float,
     bar: tqdm | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2 softmax regression per (problem, seed, variant, l2): w (B, d, S, V, K, C), b."""
+    """L2 softmax regression per (problem, seed, variant, l2): w (B, d, S, V, K, C), b.
+
+    Two classes are fitted as one logistic regression on the logit difference u with penalty
+    ``l2/2 |u|^2``: the 2-class softmax optimum is ``w1 = -w0 = u/2`` (the penalty splits u
+    evenly), so the predictions are the same for half the work.
+    """
     n_probs, n, d = x.shape
     groups = (fit_w.shape[0], y.shape[0], l2.numel())  # (S, V, K)
-    c = num_classes
+    binary = num_classes == 2
+    c = 1 if binary else num_classes
     out = (*groups, c)
-    # Böhning: the softmax CE Hessian is <= 0.5 A^T A / n_fit <= 0.5 (N / min n_fit) A^T A / N.
+    # Böhning: the CE Hessian is <= q A^T A / n_fit <= q (N / min n_fit) A^T A / N, with
+    # q = 1/4 for the logistic loss and 1/2 for softmax.
+    curvature, pen = (0.25, l2) if binary else (0.5, 2 * l2)  # pen: gradient of the penalty
     n_fit = float((fit_w > 0).sum(1).min())
-    total = x.sum(1)  # (B, d)
-    gram = torch.empty(n_probs, d + 1, d + 1)
-    gram[:, :d, :d] = torch.bmm(x.transpose(1, 2), x)
-    gram[:, :d, d] = gram[:, d, :d] = total
-    gram[:, d, d] = n
-    # float32 is precise enough: the bound only sets step sizes, not where the optimum is.
-    evals, evecs = torch.linalg.eigh(gram / n)
-    evals = evals.clamp(min=0)
-    evecs_t = evecs.transpose(1, 2).contiguous()
-    k_of = torch.zeros(out) + l2[None, None, :, None]  # the l2 of each output column
-    denom = 0.5 * (n / n_fit) * evals[:, :, None] + 2 * k_of.reshape(1, 1, -1)  # (B, d+1, O)
-    penalty = (2 * k_of.reshape(1, -1)).expand(d + 1, -1).clone()
-    penalty[d] = 0.0  # no penalty on the bias
-    onehot = torch.nn.functional.one_hot(y, c).float()  # (V, N, C)
-    # (N, S, V, K, C) targets and fit weights, flattened to (N, O)
-    target = onehot.permute(1, 0, 2)[:, None, :, None, :].expand(n, *out).reshape(n, -1)
-    rows = fit_w.T[:, :, None, None, None].expand(n, *out).reshape(n, -1)
-    ones = torch.ones(n_probs, n, 1)
-    xa = torch.cat([x, ones], -1)  # (B, N, d+1)
+    xa = torch.cat([x, torch.ones(n_probs, n, 1)], -1)  # (B, N, d+1): features and a bias
     xa_t = xa.transpose(1, 2).contiguous()
+    # float32 is precise enough: the bound only sets step sizes, not where the optimum is.
+    evals, evecs = torch.linalg.eigh(torch.bmm(xa_t, xa) / n)
+    evecs_t = evecs.transpose(1, 2).contiguous()
+    pen_of = (torch.zeros(out) + pen[None, None, :, None]).reshape(1, 1, -1)  # (1, 1, O)
+    denom = curvature * (n / n_fit) * evals.clamp(min=0)[:, :, None] + pen_of  # (B, d+1, O)
+    penalty = pen_of[0].expand(d + 1, -1).clone()
+    penalty[d] = 0.0  # no penalty on the bias
+    labels = y.float()[..., None] if binary else torch.nn.functional.one_hot(y, c).float()
+    # (N, S, V, K, C) targets and fit weights, flattened to (N, O)
+    target = labels.permute(1, 0, 2)[:, None, :, None, :].expand(n, *out).reshape(n, -1)
+    rows = fit_w.T[:, :, None, None, None].expand(n, *out).reshape(n, -1)
     current = torch.zeros(n_probs, d + 1, rows.shape[1])
     point = current.clone()
     momentum = torch.ones(n_probs, 1, *groups, 1)  # Nesterov t per problem and group
     for _ in range(max_iter):
-        logits = torch.bmm(xa, point).view(n_probs, n, -1, c)  # (B, N, S*V*K, C)
-        # softmax by hand: torch.softmax over a last axis of 2-10 classes is several times slower
-        prob = (logits - logits.amax(-1, keepdim=True)).exp_()
-        prob /= prob.sum(-1, keepdim=True)
-        resid = (prob.view(n_probs, n, -1) - target) * rows
-        grad = torch.bmm(xa_t, resid) + penalty * point  # (B, d+1, O)
-        step = torch.bmm(evecs, torch.bmm(evecs_t, grad) / denom)
-        new = point - step
+        logits = torch.bmm(xa, point)  # (B, N, O)
+        if binary:
+            prob = torch.sigmoid(logits)
+        else:  # softmax by hand: torch.softmax over a last axis of a few classes is slower
+            prob = logits.view(n_probs, n, -1, c)
+            prob = (prob - prob.amax(-1, keepdim=True)).exp_()
+            prob = (prob / prob.sum(-1, keepdim=True)).view(n_probs, n, -1)
+        grad = torch.bmm(xa_t, (prob - target) * rows) + penalty * point  # (B, d+1, O)
+        new = point - torch.bmm(evecs, torch.bmm(evecs_t, grad) / denom)
         # Adaptive restart (O'Donoghue & Candès): drop momentum where it points uphill.
         moved = (new - current).view(n_probs, d + 1, *out)
         uphill = ((grad.view_as(moved) * moved).sum((1, 5), keepdim=True) > 0).float()
@@ -246,6 +248,8 @@ def _fit_softmax(
         if float(change) < tol:
             break
     w = current.view(n_probs, d + 1, *out)
+    if binary:
+        w = torch.cat([-w / 2, w / 2], -1)
     return w[:, :d], w[:, d]
 
 

@@ -13,7 +13,7 @@ from tiny_text import planted_texts, tagged_sentences, tiny_tokenizer
 from headkit import ConfigError, HeadConfig, HeadedModel, ProbeResults, parse_layers, probe_layers
 from headkit.encoding import align_labels, encode_words, first_subtokens
 from headkit.probe import parse_poolings
-from headkit.probe_fit import bootstrap_interval, fit_and_score, standardise
+from headkit.probe_fit import _fit_softmax, bootstrap_interval, fit_and_score, standardise
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +116,32 @@ def test_softmax_probe_matches_sklearn_logistic_regression() -> None:
     assert float(got.train[0, 0, 0]) == pytest.approx(
         ref.score(x_train[0, :80].numpy(), y[0, :80].numpy()), abs=1e-6
     )
+
+
+def test_binary_probe_matches_sklearn_logistic_regression() -> None:
+    """Two classes are fitted as one logistic regression: the same optimum as 2-class softmax."""
+    from sklearn.linear_model import LogisticRegression
+
+    x, y = _problems(2)
+    y = (y > 0).long()
+    x_train, x_test = standardise(x[:1, :90], x[:1, 90:])
+    fit = torch.ones(1, 90, dtype=torch.bool)
+    fit[0, 80:] = False
+    l2 = 0.003
+    got = fit_and_score(
+        x_train, y[:1, :90], x_test, y[:1, 90:], fit, torch.tensor([l2]), 2, 2000, 1e-8
+    )
+    # 2-class softmax with l2 |W|^2 == logistic with (l2 / 2) |u|^2 == sklearn C = 1 / (l2 n)
+    ref = LogisticRegression(C=1 / (l2 * 80), tol=1e-10, max_iter=10_000)
+    ref.fit(x_train[0, :80].numpy(), y[0, :80].numpy())
+    assert float(got.test[0, 0, 0]) == pytest.approx(
+        ref.score(x_test[0].numpy(), y[0, 90:].numpy()), abs=1e-6
+    )
+    rows = fit.float() / fit.sum()
+    w, b = _fit_softmax(x_train, y[:1, :90], rows, torch.tensor([l2]), 2, 2000, 1e-8, None)
+    u = (w[..., 1] - w[..., 0]).reshape(-1)  # the logit difference: sklearn's coef_
+    np.testing.assert_allclose(u.numpy(), ref.coef_[0], atol=2e-4)
+    np.testing.assert_allclose(float(b[..., 1] - b[..., 0]), ref.intercept_[0], atol=2e-4)
 
 
 def test_ridge_probe_matches_sklearn_and_r2_is_two_pass() -> None:
