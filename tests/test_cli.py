@@ -371,3 +371,21 @@ def test_bad_inputs_exit_2_naming_what_is_wrong(tmp_path, reviews, capsys) -> No
         assert main(args) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and message in err, (args, err)
+
+
+def test_train_with_the_backbone_unfrozen_saves_it(model_dir, reviews, tmp_path, capsys) -> None:
+    """freeze_backbone: false trains through the whole model (no cached features); in-process."""
+    config = _config(tmp_path, reviews, model_dir)
+    text = config.read_text().replace("seed: 0}", "seed: 0, freeze_backbone: false, epochs: 2}")
+    config.write_text(text.replace("epochs: 30, ", ""))
+    assert main(["train", str(config), "--quiet", "--output", str(tmp_path / "ft")]) == 0
+    assert "held-out metrics" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "ft" / "head_configs.json").read_text())
+    assert manifest["backbone"]["kind"] == "saved"  # it changed, so it is copied
+    config.write_text(
+        config.read_text().replace(
+            "freeze_backbone: false", "freeze_backbone: false, use_cached_features: true"
+        )
+    )
+    assert main(["train", str(config), "--quiet"]) == 2
+    assert "use_cached_features=true needs training.freeze_backbone=true" in capsys.readouterr().err
