@@ -238,6 +238,7 @@ def run_train(config: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     heads = _with_classes(config["heads"], rows, data["label_columns"], "data.label_columns")
     path, kwargs = resolve_model(config["model"], config["model_kwargs"])
     freeze = bool(training["freeze_backbone"])
+    torch.manual_seed(training["seed"])  # the heads' initial weights
     model = load_headed(path, head_configs=heads, freeze_base_model=freeze, **kwargs)
     tokenizer = load_tokenizer(config["model"], config["model_kwargs"])
     args = (tokenizer, list(model.head_configs.values()), data["text_column"])
