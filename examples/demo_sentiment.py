@@ -3,7 +3,9 @@
 The backbone stays frozen, so its features are computed once (``cache_features``) and the
 heads train on them for many epochs; then the held-out accuracy of each head is printed next
 to the majority-class baseline. Everything is local: the model and the rotten-tomatoes data
-ship as PyPI packages. Run: ``make demo`` (about a minute on 2 CPU cores).
+ship as PyPI packages. Run: ``HF_HUB_OFFLINE=1 python examples/demo_sentiment.py`` (about a
+minute on 2 CPU cores). The same with the command line, plus a layer sweep: ``headkit demo``
+(what ``make demo`` runs).
 """
 
 from __future__ import annotations
