@@ -121,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="headkit",
         description="Attach, train, save, load and probe heads on Hugging Face transformers.",
-        epilog="run 'headkit COMMAND --help' for a command's options and an example",
+        epilog="example:\n  headkit demo\n  headkit probe --model packaged:minilm --data "
+        "packaged:rotten_tomatoes --limit 500 --output runs/probe\n"
+        "run 'headkit COMMAND --help' for a command's options and an example",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
