@@ -4,24 +4,32 @@ from .activations import ACTIVATIONS
 from .config import HeadConfig
 from .data import HeadedCollator
 from .errors import BatchError, CheckpointError, ConfigError, HeadkitError, NonFiniteLossError
-from .features import CachedFeatures, cache_features, train_heads_on_features
-from .heads import MLPHead
+from .features import (
+    CachedFeatures,
+    cache_features,
+    predict_on_features,
+    train_heads_on_features,
+)
+from .heads import HEADS, Head, MLPHead
 from .loading import load_headed
 from .losses import LOSSES, LossSpec
 from .metrics import HeadwiseMetrics, evaluate_head_wise
 from .model import HeadedModel, HeadedModelOutput
-from .pooling import POOLINGS, SequencePooling
+from .pooling import POOLINGS, PoolingStrategy, SequencePooling
+from .weighting import LossWeighting
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ACTIVATIONS",
+    "HEADS",
     "LOSSES",
     "POOLINGS",
     "BatchError",
     "CachedFeatures",
     "CheckpointError",
     "ConfigError",
+    "Head",
     "HeadConfig",
     "HeadedCollator",
     "HeadedModel",
@@ -30,12 +38,15 @@ __all__ = [
     "HeadkitError",
     "HeadwiseMetrics",
     "LossSpec",
+    "LossWeighting",
     "MLPHead",
     "NonFiniteLossError",
+    "PoolingStrategy",
     "SequencePooling",
     "cache_features",
     "evaluate_head_wise",
     "load_headed",
+    "predict_on_features",
     "train_heads_on_features",
 ]
 

@@ -17,15 +17,8 @@ import numpy as np
 import torch
 
 from .errors import BatchError, ConfigError
-from .losses import IGNORE_INDEX, LOSSES
-
-# Per-token inputs the collator pads, with their pad value (None: the pad token id).
-_TOKEN_INPUTS: dict[str, int | None] = {
-    "input_ids": None,
-    "attention_mask": 0,
-    "token_type_ids": 0,
-    "position_ids": 0,
-}
+from .inputs import TOKEN_INPUT_PADS as _TOKEN_INPUTS
+from .losses import IGNORE_INDEX, minus_100_is_ignored
 
 
 class HeadedCollator:
@@ -207,7 +200,7 @@ class HeadedCollator:
         for cfg in self._heads.get(target, []):
             if cfg.loss_fct is None or pad != IGNORE_INDEX:
                 continue
-            if not LOSSES.get(cfg.loss_fct).ignores_minus_100:
+            if not minus_100_is_ignored(cfg):
                 raise BatchError(
                     f"HeadedCollator: feature {index} has no {target!r} label, and head "
                     f"{cfg.name!r} (loss_fct={cfg.loss_fct!r}) would train on the fill value "

@@ -1,18 +1,106 @@
-"""MLPHead: (optional pooling) → Linear [→ activation → Linear]* → output activation."""
+"""Heads: ``Head`` (pooling + block_gradients), ``MLPHead`` and the ``HEADS`` registry.
+
+A head kind is a ``Head`` subclass registered by name (``HeadConfig.head_type``, default
+"mlp"). It is built as ``cls(config, pooler_size=..., pooler=...)`` from a resolved config
+(``in_size`` and ``num_outputs`` set) and implements ``from_features`` (what it computes on
+its input); ``Head`` provides the pooling of sequence heads, so a new kind only says what it
+does with a (batch, width) or (batch, seq, in_size) input. Its parameters and buffers are
+saved with the checkpoint like any module's.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .activations import build_activation
-from .config import HeadConfig
 from .errors import ConfigError
 from .pooling import SequencePooling
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from .config import HeadConfig
+
+HEADS: Registry = Registry("head type", "head_type")
 
 
-class MLPHead(nn.Module):
-    """A head built from a resolved HeadConfig (``in_size`` and ``num_outputs`` set).
+class Head(nn.Module):
+    """Base class of head kinds: pooling for sequence heads, then ``from_features``.
+
+    ``pooling_key`` identifies inputs that several heads can share: heads on the same layer
+    with the same parameter-free pooling get one pooled tensor per forward (HeadedModel
+    computes it once).
+    """
+
+    def __init__(
+        self,
+        config: HeadConfig,
+        pooler_size: int | None = None,
+        pooler: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if config.in_size is None or config.num_outputs is None:
+            raise ConfigError(
+                f"{type(self).__name__}({config.name!r}) needs a resolved config: "
+                f"in_size={config.in_size}, num_outputs={config.num_outputs} (HeadedModel fills "
+                "them from the backbone)"
+            )
+        self.config = config
+        self.name = config.name
+        self.pooling: SequencePooling | None = None
+        if config.pred_for_sequence:
+            strategies = config.pooling_strategies or ["first"]
+            self.pooling = SequencePooling(strategies, config.in_size, pooler_size, pooler)
+
+    @property
+    def in_features(self) -> int:
+        """Width of what ``from_features`` takes (the pooled width for sequence heads)."""
+        return self.pooling.out_size if self.pooling is not None else self.config.in_size
+
+    @property
+    def pooling_key(self) -> tuple[Any, ...] | None:
+        """A key under which this head's pooled input can be shared, or None (it can't)."""
+        if self.pooling is None or self.pooling.has_parameters:
+            return None
+        return (self.config.pooling, self.config.block_gradients)
+
+    def features(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        pooler: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """The head's input: pooled (batch, width) or per-token (batch, seq, in_size)."""
+        if self.config.block_gradients:
+            hidden = hidden.detach()
+        if self.pooling is not None:
+            hidden = self.pooling(hidden, mask, pooler)
+        return hidden
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        pooler: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """hidden (batch, seq, in_size) → (batch, num_outputs) or (batch, seq, num_outputs)."""
+        if hidden.shape[-1] != self.config.in_size:
+            raise ConfigError(
+                f"head {self.name!r}: hooked states have width {hidden.shape[-1]} but "
+                f"in_size={self.config.in_size}"
+            )
+        return self.from_features(self.features(hidden, mask, pooler))
+
+    def from_features(self, features: torch.Tensor) -> torch.Tensor:
+        """What the head computes on its (pooled) input."""
+        raise NotImplementedError
+
+
+@HEADS.register("mlp")
+class MLPHead(Head):
+    """(optional pooling) → Linear [→ activation → Linear]* → output activation.
 
     ``num_layers=1`` is one Linear(in, out); ``num_layers=n`` is n Linears with
     ``hidden_activation`` between them and nothing after the last; ``output_activation``
@@ -20,21 +108,14 @@ class MLPHead(nn.Module):
     exceed ``in_size`` when strategies are concatenated ("mean+max" → 2 × in_size).
     """
 
-    def __init__(self, config: HeadConfig, pooler_size: int | None = None) -> None:
-        super().__init__()
-        if config.in_size is None or config.num_outputs is None:
-            raise ConfigError(
-                f"MLPHead({config.name!r}) needs a resolved config: in_size={config.in_size}, "
-                f"num_outputs={config.num_outputs} (HeadedModel fills them from the backbone)"
-            )
-        self.config = config
-        self.name = config.name
-        self.pooling: SequencePooling | None = None
-        width = config.in_size
-        if config.pred_for_sequence:
-            strategies = config.pooling_strategies or ["first"]
-            self.pooling = SequencePooling(strategies, config.in_size, pooler_size)
-            width = self.pooling.out_size
+    def __init__(
+        self,
+        config: HeadConfig,
+        pooler_size: int | None = None,
+        pooler: nn.Module | None = None,
+    ) -> None:
+        super().__init__(config, pooler_size, pooler)
+        width = self.in_features
         layers: list[nn.Module] = []
         for i in range(config.num_layers):
             last = i == config.num_layers - 1
@@ -60,26 +141,8 @@ class MLPHead(nn.Module):
         mask: torch.Tensor | None = None,
         pooler: nn.Module | None = None,
     ) -> torch.Tensor:
-        """The head's input: pooled (batch, width) or per-token (batch, seq, in_size)."""
-        if self.config.block_gradients:
-            hidden = hidden.detach()
-        if self.pooling is not None:
-            hidden = self.pooling(hidden, mask, pooler)
-        return hidden.to(self.linears[0].weight.dtype)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        pooler: nn.Module | None = None,
-    ) -> torch.Tensor:
-        """hidden (batch, seq, in_size) → (batch, num_outputs) or (batch, seq, num_outputs)."""
-        if hidden.shape[-1] != self.config.in_size:
-            raise ConfigError(
-                f"head {self.name!r}: hooked states have width {hidden.shape[-1]} but "
-                f"in_size={self.config.in_size}"
-            )
-        return self.from_features(self.features(hidden, mask, pooler))
+        """The head's input in the head's dtype: pooled (batch, width) or (batch, seq, in)."""
+        return super().features(hidden, mask, pooler).to(self.linears[0].weight.dtype)
 
     def from_features(self, features: torch.Tensor) -> torch.Tensor:
         """Apply the MLP and output activation to precomputed ``features``."""
@@ -87,8 +150,14 @@ class MLPHead(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        kind = "causal_lm" if c.is_causal_lm else ("sequence" if c.pred_for_sequence else "token")
         return (
-            f"name={c.name!r}, layer_hook={c.layer_hook}, kind={kind}, in_size={c.in_size}, "
+            f"name={c.name!r}, layer_hook={c.layer_hook}, kind={c.layout}, in_size={c.in_size}, "
             f"hidden_size={c.hidden_size}, num_layers={c.num_layers}, num_outputs={c.num_outputs}"
         )
+
+
+def build_head(
+    config: HeadConfig, pooler_size: int | None = None, pooler: nn.Module | None = None
+) -> Head:
+    """Build the head kind named by ``config.head_type`` (``HEADS`` registry)."""
+    return HEADS.get(config.head_type)(config, pooler_size=pooler_size, pooler=pooler)

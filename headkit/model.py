@@ -1,4 +1,9 @@
-"""HeadedModel: a Hugging Face backbone, left untouched, plus named heads on any of its layers."""
+"""HeadedModel: a Hugging Face backbone, left untouched, plus named heads on any of its layers.
+
+``forward`` reads top to bottom: route labels → backbone stage (``inputs.prepare_inputs`` and
+``run_stage``: checks, positions, only as deep as needed) → head inputs (each pooling computed
+once per layer and shared) → heads → objective (``losses.head_loss``) → weighting → output.
+"""
 
 from __future__ import annotations
 
@@ -15,26 +20,15 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .backbone import BackboneInfo, base_model_of, inspect_backbone, run_backbone
+from .backbone import BackboneInfo, base_model_of, inspect_backbone
+from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
 from .errors import BatchError, ConfigError, NonFiniteLossError
-from .heads import MLPHead
+from .heads import Head, build_head
+from .inputs import MODEL_INPUTS, prepare_inputs, run_stage
 from .losses import head_loss
+from .source import BackboneSource
 from .weighting import LossWeighting, build_weighting
-
-# Inputs HeadedModel.forward takes itself; a head's target may not use these names.
-MODEL_INPUTS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "past_key_values",
-    "inputs_embeds",
-    "token_type_ids",
-    "use_cache",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-)
 
 
 @dataclass
@@ -67,10 +61,15 @@ class HeadedModel(nn.Module):
     ``BertForSequenceClassification``): its bare transformer becomes ``self.backbone``, and a
     head named ``lm_head`` with ``is_causal_lm=True`` starts from the task model's output
     embeddings, so its predictions equal the original LM logits. The backbone is not
-    modified (only frozen if asked), so peft and generation utilities can wrap it.
+    modified (only frozen, and then put in eval mode, if asked), so peft and generation
+    utilities can wrap it.
 
     Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
     not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
+    ``layers_path`` names the block stack when inspection cannot find it; ``source`` records
+    where the backbone was loaded from (set by the loaders) so that a frozen, unchanged
+    backbone is referenced by checkpoints instead of copied. ``check_inputs=False`` skips
+    the per-batch input checks (for ``torch.compile`` and hot loops).
     """
 
     # HF Trainer passes ``num_items_in_batch`` to models whose forward has ``**kwargs`` and then
@@ -83,9 +82,12 @@ class HeadedModel(nn.Module):
         head_configs: Sequence[HeadConfig | dict],
         *,
         freeze_base_model: bool = True,
-        loss_weighting: str | LossWeighting = "fixed",
+        loss_weighting: str | dict | LossWeighting = "fixed",
         nonfinite_loss: str = "raise",
         early_exit: bool = True,
+        check_inputs: bool = True,
+        layers_path: str | None = None,
+        source: BackboneSource | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, PreTrainedModel):
@@ -95,8 +97,11 @@ class HeadedModel(nn.Module):
         if nonfinite_loss not in ("raise", "skip"):
             raise ConfigError(f"nonfinite_loss={nonfinite_loss!r} is invalid; 'raise' or 'skip'")
         self.backbone: PreTrainedModel = base_model_of(model)
-        self.info: BackboneInfo = inspect_backbone(self.backbone)
+        self.info: BackboneInfo = inspect_backbone(self.backbone, layers_path)
+        self.layers_path = layers_path
+        self.source = source
         self.early_exit = early_exit
+        self.check_inputs = check_inputs
         self.nonfinite_loss = nonfinite_loss
         self.head_configs: dict[str, HeadConfig] = {}
         self._hooks: dict[str, int] = {}
@@ -109,18 +114,16 @@ class HeadedModel(nn.Module):
             self._hooks[cfg.name] = self.info.resolve_hook(cfg.layer_hook, cfg.name)
         self._check_targets()
         device = _device_of(self.backbone)
+        pooler, pooler_size = self.info.pooler, self.info.pooler_size
         self.heads = nn.ModuleDict(
-            {n: MLPHead(c, self.info.pooler_size).to(device) for n, c in self.head_configs.items()}
+            {n: build_head(c, pooler_size, pooler).to(device) for n, c in self.head_configs.items()}
         )
         if model is not self.backbone:
             self._init_lm_head(model)
         if freeze_base_model:
             self.backbone.requires_grad_(False)
+            self.backbone.eval()  # no dropout noise in features nothing learns from
         self.set_loss_weighting(loss_weighting)
-        # Where the backbone came from (set by the loaders), so a frozen, unchanged backbone
-        # can be referenced instead of copied into checkpoints.
-        self.backbone_source: dict[str, Any] | None = None
-        self.backbone_fingerprint: str | None = None
         # ``model.forward`` advertises the heads' targets (see _ForwardWithTargets).
         self.forward = _ForwardWithTargets(type(self).forward, self)
 
@@ -189,19 +192,23 @@ class HeadedModel(nn.Module):
 
         Its dropout would only add noise to features nothing learns from, make losses
         depend on how batches are split, and break the equivalence with cached features.
-        A backbone with any trainable parameter (fine-tuning, LoRA) follows ``mode``.
+        A backbone with trainable parameters (fine-tuning, LoRA) follows ``mode``.
         """
         super().train(mode)
         if mode and not any(p.requires_grad for p in self.backbone.parameters()):
             self.backbone.eval()
         return self
 
-    def set_loss_weighting(self, scheme: str | LossWeighting, **kwargs: Any) -> None:
-        """Choose how head losses combine: "fixed", "adaptive", "uncertainty" or a module."""
+    def set_loss_weighting(self, scheme: str | dict | LossWeighting, **kwargs: Any) -> None:
+        """Choose how head losses combine: "fixed", "adaptive", "uncertainty" (a name, or a
+        dict ``{"name": ..., **options}``) or a ``LossWeighting`` module."""
         weights = {n: c.loss_weight for n, c in self.head_configs.items()}
         if isinstance(scheme, LossWeighting):
             self.loss_weighting = scheme
         else:
+            if isinstance(scheme, Mapping):
+                kwargs = {**{k: v for k, v in scheme.items() if k != "name"}, **kwargs}
+                scheme = scheme.get("name", "fixed")
             self.loss_weighting = build_weighting(scheme, weights, **kwargs)
         self.loss_weighting.to(_device_of(self.backbone))
 
@@ -237,89 +244,34 @@ class HeadedModel(nn.Module):
         """Run the backbone (only as deep as needed), every head, and the losses.
 
         ``labels`` are passed by each head's ``target``; a head without its label gets no
-        loss. Padding comes from ``attention_mask`` (no mask: every token counts).
+        loss. Padding comes from ``attention_mask`` (no mask: every token counts); with a
+        KV cache the mask may cover ``past + new`` positions, as in generation.
         ``labels={target: tensor, ...}`` (a mapping) is accepted too: it is what HF Trainer
         recognises as the batch's labels (it looks for a key named "labels").
         """
-        if isinstance(labels.get("labels"), Mapping):
-            labels = {**labels.pop("labels"), **labels}
-        unknown = [k for k in labels if k not in {c.target for c in self.head_configs.values()}]
-        if unknown:
-            targets = sorted({c.target for c in self.head_configs.values()})
-            raise BatchError(
-                f"unexpected batch key(s) {unknown}: not a model input and no head has that "
-                f"target; targets: {targets}; inputs: {list(MODEL_INPUTS)}"
-            )
-        _check_inputs(
-            self.backbone, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids
+        labels = self._route_labels(labels)
+        inputs = prepare_inputs(
+            self.backbone,
+            self.info,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            check=self.check_inputs,
         )
-        inputs: dict[str, Any] = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "past_key_values": past_key_values,
-            "inputs_embeds": inputs_embeds,
-            "token_type_ids": token_type_ids,
-            "output_attentions": output_attentions,
-            "output_hidden_states": output_hidden_states,
-        }
-        if (
-            self.info.is_decoder
-            and position_ids is None
-            and past_key_values is None
-            and attention_mask is not None
-        ):
-            # Left padding: positions count real tokens only, as generate() does.
-            inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        params = self.info.forward_params
-        if "past_key_values" not in params and "cache" in params:  # transformers >= 5.2x name
-            inputs["cache"] = inputs.pop("past_key_values")
-        # output_* flags are read from **kwargs by transformers 5 models, not named parameters.
-        via_kwargs = {"output_attentions", "output_hidden_states"} if "kwargs" in params else set()
-        inputs = {
-            k: v for k, v in inputs.items() if v is not None and (k in params or k in via_kwargs)
-        }
-        if "use_cache" in params:
-            inputs["use_cache"] = bool(use_cache)
         full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
-        try:
-            captured, out = run_backbone(
-                self.backbone, self.info, set(self._hooks.values()), not full, inputs
-            )
-        except IndexError as e:  # an embedding lookup (positions, token types) out of range
-            shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
-            limits = {
-                "max_position_embeddings": _config_value(
-                    self.backbone, "max_position_embeddings", "n_positions"
-                ),
-                "type_vocab_size": _config_value(self.backbone, "type_vocab_size"),
-            }
-            allowed = ", ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
-            raise BatchError(
-                f"the backbone rejected an index in the batch ({e}); input shape {shape}: "
-                f"sequence length, position_ids and token_type_ids must stay within "
-                f"{allowed or 'the backbone config'}"
-            ) from e
-
-        preds: dict[str, torch.Tensor] = {}
-        losses: dict[str, torch.Tensor] = {}
-        for name, head in self.heads.items():
-            cfg = self.head_configs[name]
-            hidden = captured[self._hooks[name]]
-            p = head(hidden, attention_mask, self.info.pooler)
-            preds[name] = p
-            y = labels.get(cfg.target)
-            if y is not None and cfg.loss_fct is not None:
-                losses[name] = head_loss(cfg, p, y, attention_mask)
+        wanted = set(self._hooks.values())
+        captured, out = run_stage(self.backbone, self.info, inputs, wanted, not full)
+        features = self.head_inputs(captured, inputs.mask)
+        preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
+        losses = self.head_losses(preds, labels, inputs.mask)
         loss, adapted = self.combine_losses(losses)
-        if loss is not None and self.training and torch.is_grad_enabled():
-            # DDP (find_unused_parameters=False) needs every trainable parameter in each step's
-            # graph: heads without labels in this batch, and the loss weighting, join with an
-            # exact zero (nan_to_num keeps it zero even for non-finite predictions).
-            idle = [p for n, p in preds.items() if n not in adapted and p.requires_grad]
-            idle += [p for p in self.loss_weighting.parameters() if p.requires_grad]
-            for t in idle:
-                loss = loss + (t * 0.0).nan_to_num(0.0, 0.0, 0.0).sum()
+        loss = self._join_idle(loss, preds, adapted)
         return HeadedModelOutput(
             loss=loss,
             loss_by_head=losses,
@@ -329,6 +281,59 @@ class HeadedModel(nn.Module):
             hidden_states=getattr(out, "hidden_states", None) if out is not None else None,
             attentions=getattr(out, "attentions", None) if out is not None else None,
         )
+
+    def _route_labels(self, labels: dict[str, Any]) -> dict[str, Any]:
+        """Flatten ``labels={target: ...}`` and refuse keys that are no head's target."""
+        nested = labels.pop("labels", None) if isinstance(labels.get("labels"), Mapping) else None
+        if nested is not None:
+            twice = sorted(set(nested) & set(labels))
+            if twice:
+                raise BatchError(
+                    f"target(s) {twice} given twice, in labels={{...}} and as keyword "
+                    "argument(s); pass each label once"
+                )
+            labels = {**nested, **labels}
+        targets = {c.target for c in self.head_configs.values()}
+        unknown = [k for k in labels if k not in targets]
+        if unknown:
+            raise BatchError(
+                f"unexpected batch key(s) {unknown}: not a model input and no head has that "
+                f"target; targets: {sorted(targets)}; inputs: {list(MODEL_INPUTS)}"
+            )
+        return labels
+
+    def head_inputs(
+        self, captured: dict[int, torch.Tensor], mask: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Each head's input from the hooked states; a parameter-free pooling is computed once
+        per (layer, pooling) and shared by the heads that ask for it."""
+        shared: dict[tuple, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, head in self.heads.items():
+            layer = self._hooks[name]
+            key = head.pooling_key if isinstance(head, Head) else None
+            if key is None:
+                out[name] = head.features(captured[layer], mask)
+                continue
+            key = (layer, *key)
+            if key not in shared:
+                shared[key] = head.features(captured[layer], mask)
+            out[name] = shared[key]
+        return out
+
+    def head_losses(
+        self,
+        preds: dict[str, torch.Tensor],
+        labels: Mapping[str, Any],
+        mask: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """Each head's loss, for the heads that have a loss and a label in ``labels``."""
+        losses: dict[str, torch.Tensor] = {}
+        for name, cfg in self.head_configs.items():
+            y = labels.get(cfg.target)
+            if y is not None and cfg.loss_fct is not None:
+                losses[name] = head_loss(cfg, preds[name], y, mask)
+        return losses
 
     def combine_losses(
         self, losses: dict[str, torch.Tensor]
@@ -349,20 +354,33 @@ class HeadedModel(nn.Module):
         total = sum(adapted.values()) if adapted else None
         return total, adapted
 
+    def _join_idle(
+        self,
+        loss: torch.Tensor | None,
+        preds: dict[str, torch.Tensor],
+        adapted: dict[str, torch.Tensor],
+    ) -> torch.Tensor | None:
+        if loss is None or not self.training or not torch.is_grad_enabled():
+            return loss
+        # DDP (find_unused_parameters=False) needs every trainable parameter in each step's
+        # graph: heads without labels in this batch, and the loss weighting, join with an
+        # exact zero (nan_to_num keeps it zero even for non-finite predictions).
+        idle = [p for n, p in preds.items() if n not in adapted and p.requires_grad]
+        idle += [p for p in self.loss_weighting.parameters() if p.requires_grad]
+        for t in idle:
+            loss = loss + (t * 0.0).nan_to_num(0.0, 0.0, 0.0).sum()
+        return loss
+
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
         """Atomically write head_configs.json, the heads (safetensors) and, unless frozen
         and unchanged since loading, the backbone."""
-        from .checkpoint import save_checkpoint
-
         save_checkpoint(self, save_directory, **kwargs)
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:
         """Load a checkpoint written by ``save_pretrained`` (safetensors and JSON only)."""
-        from .checkpoint import load_checkpoint
-
-        return load_checkpoint(checkpoint_dir, **kwargs)
+        return restore(checkpoint_dir, model_cls=cls, **kwargs)
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters and buffers headkit adds (heads and loss weighting)."""
@@ -394,106 +412,6 @@ class _ForwardWithTargets(functools.partial):
             if t not in taken
         ]
         return sig.replace(parameters=params + var_kw)
-
-
-def _config_value(backbone: PreTrainedModel, *names: str) -> Any:
-    for n in names:
-        if getattr(backbone.config, n, None) is not None:
-            return getattr(backbone.config, n)
-    return None
-
-
-def _int_ids(name: str, value: Any, shape: tuple[int, ...] | None) -> None:
-    """``value`` must be an integer (not bool) tensor; of ``shape`` when given."""
-    if not isinstance(value, torch.Tensor):
-        raise BatchError(
-            f"{name} must be a torch.Tensor, got {type(value).__name__}; "
-            "use tokenizer(..., return_tensors='pt')"
-        )
-    if value.dtype not in (torch.int64, torch.int32):  # what embedding lookups accept
-        raise BatchError(
-            f"{name} must hold integer ids of dtype torch.int64 or torch.int32, got {value.dtype}"
-        )
-    if shape is not None and tuple(value.shape) != shape:
-        raise BatchError(
-            f"{name} of shape {tuple(value.shape)} does not match the inputs; expected {shape}"
-        )
-
-
-def _check_inputs(
-    backbone: PreTrainedModel,
-    input_ids: Any,
-    inputs_embeds: Any,
-    attention_mask: Any,
-    position_ids: Any,
-    token_type_ids: Any,
-) -> None:
-    """Raise BatchError naming the field, value and what is allowed for malformed inputs."""
-    if input_ids is not None and inputs_embeds is not None:
-        raise BatchError("pass input_ids or inputs_embeds, not both")
-    if input_ids is None and inputs_embeds is None:
-        raise BatchError("the batch needs input_ids or inputs_embeds")
-    try:
-        emb = backbone.get_input_embeddings()
-    except (NotImplementedError, AttributeError):  # exotic models: skip the width/vocab checks
-        emb = None
-    if input_ids is not None:
-        _int_ids("input_ids", input_ids, None)
-        ref = input_ids
-    else:
-        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
-            raise BatchError(
-                f"inputs_embeds must be a floating-point torch.Tensor, got "
-                f"{getattr(inputs_embeds, 'dtype', type(inputs_embeds).__name__)}"
-            )
-        ref = inputs_embeds
-    want_dim = 2 if input_ids is not None else 3
-    if ref.dim() != want_dim or ref.shape[0] == 0 or ref.shape[1] == 0:
-        what = "input_ids" if input_ids is not None else "inputs_embeds"
-        expected = "2-D (batch >= 1, seq >= 1)" if want_dim == 2 else "3-D (batch, seq, hidden)"
-        raise BatchError(
-            f"empty or malformed batch: {what} of shape {tuple(ref.shape)}; expected {expected}"
-        )
-    width = getattr(emb, "embedding_dim", None)
-    if inputs_embeds is not None and width is not None and inputs_embeds.shape[-1] != width:
-        raise BatchError(
-            f"inputs_embeds of width {inputs_embeds.shape[-1]} do not match the backbone's "
-            f"embedding width {width}"
-        )
-    vocab = getattr(emb, "num_embeddings", None)
-    if input_ids is not None and vocab is not None and input_ids.device.type != "meta":
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= vocab:
-            raise BatchError(
-                f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary; "
-                f"allowed: 0..{vocab - 1} (the backbone's input embeddings have {vocab} rows)"
-            )
-    batch_seq = tuple(ref.shape[:2])
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor):
-            raise BatchError(
-                f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
-            )
-        if tuple(attention_mask.shape) != batch_seq:
-            raise BatchError(
-                f"attention_mask of shape {tuple(attention_mask.shape)} does not match the "
-                f"inputs {batch_seq}"
-            )
-        odd = (attention_mask != 0) & (attention_mask != 1)
-        if attention_mask.device.type != "meta" and bool(odd.any()):
-            raise BatchError(
-                f"attention_mask holds {attention_mask[odd][0].item()!r}; allowed: 0 (padding) "
-                "or 1 (token)"
-            )
-    if token_type_ids is not None:
-        _int_ids("token_type_ids", token_type_ids, batch_seq)
-    if position_ids is not None:
-        _int_ids("position_ids", position_ids, None)
-        if position_ids.shape not in (batch_seq, (1, batch_seq[1])):
-            raise BatchError(
-                f"position_ids of shape {tuple(position_ids.shape)} does not match the inputs; "
-                f"expected {batch_seq} or {(1, batch_seq[1])}"
-            )
 
 
 def _device_of(module: nn.Module) -> torch.device:

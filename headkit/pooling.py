@@ -226,17 +226,30 @@ class AttentionPooling(PoolingStrategy):
 class SequencePooling(nn.Module):
     """Concatenation of one or more strategies; ``out_size`` is the sum of their widths.
 
-    ``pooler_size`` is the output width of the backbone's pooler ("pooler" strategy).
+    ``pooler_size`` is the output width of the backbone's pooler ("pooler" strategy) and
+    ``pooler`` the module itself: it is bound here, where it is used, without becoming a
+    submodule (it belongs to the backbone: it is neither saved with the head nor moved by it).
+    Only strategies that need it receive it.
     """
 
     def __init__(
-        self, strategies: list[str], hidden_size: int, pooler_size: int | None = None
+        self,
+        strategies: list[str],
+        hidden_size: int,
+        pooler_size: int | None = None,
+        pooler: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.names = list(strategies)
         self.strategies = nn.ModuleDict({n: POOLINGS.get(n)(hidden_size) for n in self.names})
         self.hidden_size = hidden_size
         self.pooler_size = pooler_size
+        self._bound = (pooler,)  # a tuple: nn.Module does not register it as a submodule
+
+    @property
+    def pooler(self) -> nn.Module | None:
+        """The backbone's pooler bound at construction (None when there is none)."""
+        return self._bound[0]
 
     @property
     def widths(self) -> dict[str, int]:
@@ -254,10 +267,17 @@ class SequencePooling(nn.Module):
     def needs_pooler(self) -> bool:
         return any(s.needs_pooler for s in self.strategies.values())
 
+    @property
+    def has_parameters(self) -> bool:
+        """Whether any strategy learns (then its output cannot be shared between heads)."""
+        return any(True for _ in self.strategies.parameters())
+
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor | None, pooler: nn.Module | None = None
     ) -> torch.Tensor:
-        """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count."""
+        """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count.
+
+        ``pooler`` overrides the bound one (for pooling outside a HeadedModel)."""
         if hidden.dim() != 3:
             raise BatchError(
                 f"pooling needs hidden states of shape (batch, seq, hidden), got "
@@ -271,7 +291,11 @@ class SequencePooling(nn.Module):
                 f"{tuple(hidden.shape[:2])} (batch, seq)"
             )
         mask = mask.to(hidden.device)
-        parts = [s(hidden, mask, pooler) for s in self.strategies.values()]
+        pooler = pooler if pooler is not None else self.pooler
+        parts = [
+            s(hidden, mask, pooler) if s.needs_pooler else s(hidden, mask)
+            for s in self.strategies.values()
+        ]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def split(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:

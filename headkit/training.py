@@ -38,13 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import Trainer
 
-from .checkpoint import MANIFEST, load_head_weights, read_head_weights, read_manifest
+from .checkpoint import MANIFEST, restore
 from .data import HeadedCollator
-from .errors import CheckpointError, ConfigError
-from .losses import IGNORE_INDEX, LOSSES
+from .errors import ConfigError
+from .losses import IGNORE_INDEX, takes_class_indices
 
 
 class HeadedTrainer(Trainer):
@@ -157,63 +156,18 @@ class HeadedTrainer(Trainer):
         model = model if model is not None else self.model
         if not Path(resume_from_checkpoint, MANIFEST).is_file():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_into(self.accelerator.unwrap_model(model), resume_from_checkpoint)
+        restore(resume_from_checkpoint, model=self.accelerator.unwrap_model(model))
         return None
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         if best is None or not Path(best, MANIFEST).is_file():
             return super()._load_best_model()
-        load_into(self._headed(), best)
+        restore(best, model=self._headed())
         return None
 
     def _headed(self) -> Any:
         return self.accelerator.unwrap_model(self.model)
-
-
-def load_into(model: Any, checkpoint_dir: str | os.PathLike) -> None:
-    """Load a headkit checkpoint's weights into an existing HeadedModel, in place.
-
-    Heads and loss weighting always; the backbone too when the checkpoint holds a copy of
-    it (it was trained or built in memory). Raises CheckpointError when the heads differ.
-    """
-    root = Path(checkpoint_dir)
-    manifest = read_manifest(root)
-    saved = sorted(c.name for c in manifest["heads"])
-    if saved != sorted(model.head_configs):
-        raise CheckpointError(
-            f"{str(root)!r} holds heads {saved}, but the model has {sorted(model.head_configs)}"
-        )
-    weighting = manifest.get("loss_weighting") or {"name": "fixed"}
-    if weighting.get("name") != getattr(model.loss_weighting, "name", None):
-        raise CheckpointError(
-            f"{str(root)!r} was trained with loss_weighting={weighting.get('name')!r}, but the "
-            f"model uses {model.loss_weighting.name!r}"
-        )
-    load_head_weights(model, read_head_weights(root, manifest), str(root))
-    bb = manifest["backbone"]
-    if bb.get("kind") != "saved":
-        return
-    folder = root / str(bb.get("path"))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"backbone folder {str(folder)!r} has no safetensors file")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:  # safetensors errors derive from plain Exception
-            raise CheckpointError(f"backbone weights {str(f)!r} cannot be read: {e}") from None
-    own = model.backbone.state_dict()
-    unexpected = sorted(set(state) - set(own))
-    if unexpected:
-        raise CheckpointError(
-            f"backbone weights in {str(folder)!r} do not match the model: unexpected tensors "
-            f"{unexpected[:5]}"
-        )
-    with torch.no_grad():
-        for k, v in state.items():
-            own[k].copy_(v.to(own[k].device, own[k].dtype))
 
 
 def _labels_of(inputs: Mapping[str, Any], targets: set[str]) -> dict[str, torch.Tensor]:
@@ -233,7 +187,7 @@ def _fill_missing_labels(
         if cfg.target in out:
             continue
         p = preds[name]
-        classes = cfg.loss_fct is not None and LOSSES.get(cfg.loss_fct).classes
+        classes = takes_class_indices(cfg)
         shape = p.shape[:-1] if classes or p.shape[-1] == 1 else p.shape
         dtype = torch.long if classes else torch.float32
         out[cfg.target] = torch.full(tuple(shape), IGNORE_INDEX, dtype=dtype, device=p.device)

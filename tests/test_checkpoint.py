@@ -11,6 +11,7 @@ import torch
 from conftest import build_tiny
 
 import headkit.checkpoint
+from headkit.checkpoint import load_head_weights
 from headkit import HeadConfig, HeadedModel, load_headed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -147,8 +148,13 @@ def test_a_trained_backbone_is_saved(tmp_path, gpt2_dir):
     assert manifest["backbone"]["kind"] == "saved"
     loaded = HeadedModel.from_pretrained(tmp_path / "ckpt")
     assert_same_predictions(predict(loaded), expected)
-    # and the trained backbone differs from the original one: the saved copy matters
-    original = load_headed(str(gpt2_dir), head_folder_path=tmp_path / "ckpt")
+    # load_headed(path, head_folder_path=) restores the saved backbone too (one restore path;
+    # it used to ignore it silently) ...
+    again = load_headed(str(gpt2_dir), head_folder_path=tmp_path / "ckpt")
+    assert_same_predictions(predict(again), expected)
+    # ... and the trained backbone differs from the original one: the saved copy matters
+    original = load_headed(str(gpt2_dir), head_configs=list(again.head_configs.values()))
+    load_head_weights(original, again.head_state_dict(), "test")
     assert not torch.allclose(predict(original)["tag"], expected["tag"])
 
 

@@ -295,6 +295,11 @@ def test_corrupted_checkpoints_load_exactly_or_raise_a_headkit_error(
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(family, outcomes)  # shown with pytest -s
     refused = sum(n for outcome, n in outcomes.items() if outcome.startswith("refused"))
+    if family == "json-unknown-field":
+        # Tolerant reader: a field this version does not know (a newer version's) is ignored
+        # with a warning, so checkpoints travel between versions; nothing else changes.
+        assert outcomes == {"loaded identically": cases}, outcomes
+        return
     assert refused > 0, outcomes  # the family really corrupts something
     if family in CHECKSUMMED:
         assert outcomes == {"refused (CheckpointError)": cases}, outcomes

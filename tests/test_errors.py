@@ -731,7 +731,11 @@ CHECKPOINT_CASES = [
         "the saved backbone's safetensors file is truncated",
         lambda p: (truncate(next(p.glob("backbone-*/model.safetensors"))), _load(p)),
         CheckpointError,
-        (r"cannot load a backbone from '.*backbone-\w+'", r"incomplete metadata"),
+        # checked against the sha256 recorded at save time, before anything is loaded
+        (
+            r"backbone file '.*backbone-\w+/model\.safetensors' is corrupt or truncated",
+            r"sha256 differs",
+        ),
     ),
     Case(
         "head-folder-weights-mismatch",
