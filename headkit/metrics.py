@@ -294,5 +294,3 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
-
-

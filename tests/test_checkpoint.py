@@ -11,8 +11,8 @@ import torch
 from conftest import build_tiny
 
 import headkit.checkpoint
-from headkit.checkpoint import load_head_weights
 from headkit import HeadConfig, HeadedModel, load_headed
+from headkit.checkpoint import load_head_weights
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
