@@ -46,6 +46,10 @@ class HeadConfig:
     the backbone's natural choice ("last" for decoder-only models, "first" for encoders).
     ``loss_fct=None`` means the head is never trained by a loss. ``head_type`` names the head
     class in the ``HEADS`` registry ("mlp", the default, is ``MLPHead``).
+
+    ``name`` is any non-empty string without '.' (also "type", "keys", "my-head").
+    NumPy scalars are stored as the Python numbers they hold; ``extra`` must hold JSON values
+    (NumPy scalars converted, tuples become lists), so every config saves as JSON.
     """
 
     name: str

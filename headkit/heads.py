@@ -182,7 +182,9 @@ def _check_head_size(
     fields = ", ".join(f"{k}={v}" for k, v in sizes.items())
 
     def refuse(count: str) -> ConfigError:
-        field, value = max(sizes.items(), key=lambda kv: kv[1] or 0)
+        # name what the user can lower: in_size is the backbone's width
+        choices = {k: v for k, v in sizes.items() if k != "in_size"}
+        field, value = max(choices.items(), key=lambda kv: kv[1] or 0)
         return ConfigError(
             f"HeadConfig(name={config.name!r}): {field}={value} makes a head of {count} "
             f"parameters ({fields}, num_layers={config.num_layers}), over the limit "
@@ -218,6 +220,14 @@ class HeadDict(nn.ModuleDict):
         if not isinstance(module, nn.Module):
             raise ConfigError(f"head {key!r} must be an nn.Module, got {type(module).__name__}")
         self._modules[key] = module  # add_module would refuse names that are attributes
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``train()`` sets ``self.training = mode``: a plain attribute even when a head is
+        # named "training" (nn.Module would refuse a bool for a child's name)
+        if not isinstance(value, nn.Module) and name in self.__dict__.get("_modules", {}):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
 
 def get_submodule_by_name(root: nn.Module, target: str) -> nn.Module:
