@@ -1,9 +1,11 @@
 """The backbone input stage: every input quirk, once.
 
 ``prepare_inputs`` checks a batch's model inputs (headkit errors naming the field, value and
-what is allowed), derives position ids from the attention mask for decoders (left padding,
-and cached decoding with a ``(batch, past + new)`` mask, as ``generate`` does), and speaks the
-installed transformers' dialect (the cache's name, output flags through ``**kwargs``).
+what is allowed), derives position ids from the attention mask for every architecture
+(``positions.py``: left padding, gaps, and cached decoding with a ``(batch, past + new)``
+mask, as ``generate`` does) and checks them against the backbone's position table before it
+runs, casts ``inputs_embeds`` to the backbone's dtype, and speaks the installed
+transformers' dialect (the cache's name, output flags through ``**kwargs``).
 ``HeadedModel.forward`` and feature caching both call it, so they get the same checks.
 """
 
