@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .errors import ConfigError
+from .positions import PositionScheme, position_scheme
 
 
 class _StopForward(Exception):
@@ -37,6 +38,7 @@ class BackboneInfo:
     forward_params: set[str] = field(default_factory=set)
     tie_last: bool = True
     vocab_size: int | None = None
+    positions: PositionScheme | None = None  # position table and numbering (positions.py)
 
     def resolve_hook(self, layer_hook: int, head: str = "?") -> int:
         """Map a (possibly negative) ``layer_hook`` to 0..num_layers, or raise ConfigError."""
@@ -82,6 +84,7 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
         pooler_size = lins[-1].out_features if lins else hidden
     else:
         pooler = None
+    params = set(inspect.signature(model.forward).parameters)
     return BackboneInfo(
         layers=layers,
         layers_path=path,
@@ -90,9 +93,10 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
         is_decoder=_is_causal(model),
         pooler=pooler,
         pooler_size=pooler_size,
-        forward_params=set(inspect.signature(model.forward).parameters),
+        forward_params=params,
         tie_last=getattr(config, "tie_last_hidden_states", None) is not False,
         vocab_size=getattr(text_cfg, "vocab_size", None),
+        positions=position_scheme(model, params),
     )
 
 

@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .activations import ACTIVATIONS
 from .errors import ConfigError
 from .heads import HEADS
@@ -44,6 +46,10 @@ class HeadConfig:
     the backbone's natural choice ("last" for decoder-only models, "first" for encoders).
     ``loss_fct=None`` means the head is never trained by a loss. ``head_type`` names the head
     class in the ``HEADS`` registry ("mlp", the default, is ``MLPHead``).
+
+    ``name`` is any non-empty string without '.' (also "type", "keys", "my-head").
+    NumPy scalars are stored as the Python numbers they hold; ``extra`` must hold JSON values
+    (NumPy scalars converted, tuples become lists), so every config saves as JSON.
     """
 
     name: str
@@ -70,6 +76,7 @@ class HeadConfig:
     head_type: str = "mlp"
 
     def __post_init__(self) -> None:
+        self._as_python_values()
         self._validate()
         if self.target is None:
             self.target = self.name
@@ -83,8 +90,20 @@ class HeadConfig:
     # ------------------------------------------------------------------ validation
     def _bad(self, field_name: str, value: Any, allowed: str) -> ConfigError:
         return ConfigError(
-            f"HeadConfig(name={self.name!r}): {field_name}={value!r} is invalid; {allowed}"
+            f"HeadConfig(name={_show(self.name)}): {field_name}={_show(value)} is invalid; "
+            f"{allowed}"
         )
+
+    def _as_python_values(self) -> None:
+        """NumPy scalars (``np.int64(3)``, ``np.float32(0.5)``, ``np.bool_``) become the Python
+        numbers they hold, so configs compare, hash and save as JSON like any other; ``extra``
+        must hold JSON values (NumPy scalars converted, tuples become lists)."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, np.generic) and v.dtype.kind in "biuf":
+                setattr(self, f.name, v.item())
+        if isinstance(self.extra, dict):
+            self.extra = _json_value(self.extra, "extra", self)
 
     def _validate(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -129,6 +148,10 @@ class HeadConfig:
             raise self._bad("head_type", self.head_type, f"allowed: {', '.join(HEADS.names())}")
 
     def _validate_sizes(self) -> None:
+        for f in ("in_size", "num_outputs", "layer_hook", "hidden_size", "num_layers"):
+            v = getattr(self, f)
+            if _is_int(v) and not -_INT64 <= v < _INT64:
+                raise self._bad(f, v, "expected an integer within +-2**63 (a tensor size or index)")
         for f in ("in_size", "num_outputs"):
             v = getattr(self, f)
             if v is not None and (not _is_int(v) or v < 1):
@@ -237,7 +260,7 @@ class HeadConfig:
     def from_json(cls, text: str) -> HeadConfig:
         try:
             data = json.loads(text)
-        except (TypeError, json.JSONDecodeError, RecursionError) as e:
+        except (TypeError, ValueError, RecursionError) as e:  # ValueError: a 5,001-digit int
             raise ConfigError(f"HeadConfig.from_json: not valid JSON ({e})") from None
         return cls.from_dict(data)
 
@@ -269,6 +292,37 @@ class HeadConfig:
 
 
 _MISSING = object()
+_INT64 = 2**63
+
+
+def _json_value(value: Any, path: str, cfg: HeadConfig) -> Any:
+    """``value`` as JSON-ready Python data (NumPy scalars converted, tuples as lists), or a
+    ConfigError naming the path of the first value JSON cannot hold."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        value = value.item()
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if not -_INT64 <= value < _INT64:
+            raise cfg._bad(path, value, "expected JSON values (integers within +-2**63)")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise cfg._bad(path, value, "expected JSON values (finite numbers)")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, f"{path}[{i}]", cfg) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise cfg._bad(f"{path} key", bad[0], "expected JSON values (dict keys are strings)")
+        return {k: _json_value(v, f"{path}[{k!r}]", cfg) for k, v in value.items()}
+    raise cfg._bad(
+        path,
+        value,
+        f"expected JSON values (None, bool, int, float, str, list, dict), got "
+        f"{type(value).__name__}",
+    )
 
 
 def _defaults_for(cfg: HeadConfig) -> dict[str, Any]:
@@ -282,6 +336,15 @@ def _defaults_for(cfg: HeadConfig) -> dict[str, Any]:
     out["target"] = cfg.name  # None resolves to the name ...
     out["ignore_pads"] = not cfg.is_causal_lm  # ... and to "not is_causal_lm"
     return out
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` for messages, shortened (a 5,001-digit integer has no repr)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<an integer of {abs(value).bit_length()} bits>"
+    return text if len(text) <= 200 else f"{text[:120]}...({len(text)} characters)"
 
 
 def _is_int(v: Any) -> bool:

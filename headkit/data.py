@@ -9,6 +9,7 @@ the batch's labels (so evaluation reports ``eval_loss``) and HeadedModel unpacks
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -62,8 +63,18 @@ class HeadedCollator:
                 "integer >= 1 or None"
             )
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.label_pad_value = label_pad_value
+        self.label_pad_value = _checked_pad_values(label_pad_value)
+        if labels_key is not None and (not isinstance(labels_key, str) or not labels_key):
+            raise ConfigError(
+                f"HeadedCollator: labels_key={labels_key!r} is invalid; a non-empty string "
+                "(default 'labels') or None (targets at the top level)"
+            )
         self.labels_key = labels_key
+        if isinstance(token_targets, (str, bytes)):
+            raise ConfigError(
+                f"HeadedCollator: token_targets={token_targets!r} is invalid; a list of target "
+                f"names (e.g. [{token_targets!r}]), not one string"
+            )
         self._heads = _heads_by_target(model)
         self._token_targets = set(token_targets or ())
         self._token_targets |= {t for t, cfgs in self._heads.items() if _is_token_level(cfgs)}
@@ -71,6 +82,12 @@ class HeadedCollator:
     # ------------------------------------------------------------------ public
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Pad and stack ``features`` into a batch of tensors."""
+        if not isinstance(features, Sequence) or isinstance(features, (str, bytes)):
+            hint = " (one example? wrap it in a list)" if isinstance(features, Mapping) else ""
+            raise BatchError(
+                f"HeadedCollator: features must be a list of feature dicts, got "
+                f"{type(features).__name__}{hint}; pass list(...) of the examples"
+            )
         if not features:
             raise BatchError("HeadedCollator: got an empty list of features; expected >= 1")
         for i, f in enumerate(features):
@@ -260,8 +277,41 @@ def _is_token_level(cfgs: list) -> bool:
     return any(not c.pred_for_sequence for c in cfgs)
 
 
+def _checked_pad_values(value: Any) -> Any:
+    """``label_pad_value``: a finite number, or a mapping of target → finite number."""
+    items = value.items() if isinstance(value, Mapping) else [(None, value)]
+    for target, v in items:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            where = "" if target is None else f"[{target!r}]"
+            raise ConfigError(
+                f"HeadedCollator: label_pad_value{where}={v!r} is invalid; a finite number "
+                f"(default {IGNORE_INDEX}: ignored by the losses), or a dict of them by target"
+            )
+    return value
+
+
 def _as_1d(value: Any, field: str, index: int) -> torch.Tensor:
-    t = torch.as_tensor(np.asarray(value)) if not isinstance(value, torch.Tensor) else value
+    where = f"HeadedCollator: feature {index} has {field}"
+    if isinstance(value, (str, bytes)):
+        raise BatchError(
+            f"{where}={value!r:.60} ({type(value).__name__}); expected a 1-D list of integer "
+            "token ids (tokenize the text first)"
+        )
+    if isinstance(value, torch.Tensor):
+        t = value
+    else:
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError) as e:  # ragged nesting
+            raise BatchError(f"{where} that cannot become an array ({e})") from None
+        if arr.size and arr.dtype.kind not in "biuf":
+            raise BatchError(
+                f"{where} holding {arr.dtype} values ({value!r:.60}); expected a 1-D list of "
+                "integers"
+            )
+        t = torch.as_tensor(arr)
+    if t.dim() == 1 and t.numel() == 0:
+        raise BatchError(f"{where} empty ([]); expected at least one token id per example")
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
         raise BatchError(
             f"HeadedCollator: feature {index} has {field} of shape {tuple(t.shape)} and dtype "

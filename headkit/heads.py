@@ -157,7 +157,86 @@ class MLPHead(Head):
 
 
 def build_head(
-    config: HeadConfig, pooler_size: int | None = None, pooler: nn.Module | None = None
+    config: HeadConfig,
+    pooler_size: int | None = None,
+    pooler: nn.Module | None = None,
+    max_parameters: int | None = None,
 ) -> Head:
-    """Build the head kind named by ``config.head_type`` (``HEADS`` registry)."""
-    return HEADS.get(config.head_type)(config, pooler_size=pooler_size, pooler=pooler)
+    """Build the head kind named by ``config.head_type`` (``HEADS`` registry).
+
+    With ``max_parameters``, a head that would hold more parameters is refused with a
+    ConfigError before anything is allocated (it is first built on the meta device).
+    """
+    cls = HEADS.get(config.head_type)
+    if max_parameters is not None:
+        _check_head_size(cls, config, pooler_size, pooler, max_parameters)
+    return cls(config, pooler_size=pooler_size, pooler=pooler)
+
+
+def _check_head_size(
+    cls: type[Head], config: HeadConfig, pooler_size: int | None, pooler: Any, limit: int
+) -> None:
+    sizes = {"in_size": config.in_size, "num_outputs": config.num_outputs}
+    if config.num_layers > 1:
+        sizes["hidden_size"] = config.hidden_size
+    fields = ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+    def refuse(count: str) -> ConfigError:
+        # name what the user can lower: in_size is the backbone's width
+        choices = {k: v for k, v in sizes.items() if k != "in_size"}
+        field, value = max(choices.items(), key=lambda kv: kv[1] or 0)
+        return ConfigError(
+            f"HeadConfig(name={config.name!r}): {field}={value} makes a head of {count} "
+            f"parameters ({fields}, num_layers={config.num_layers}), over the limit "
+            f"max_head_parameters={limit:,}; lower {field}, or raise the limit with "
+            "HeadedModel(..., max_head_parameters=...)"
+        )
+
+    largest = max((v or 0) for v in sizes.values())
+    if largest > limit:  # one Linear alone would be too big: do not even describe it
+        raise refuse(f"at least {largest:,}")
+    try:
+        with torch.device("meta"):
+            probe = cls(config, pooler_size=pooler_size, pooler=pooler)
+    except (RuntimeError, OverflowError) as e:  # sizes torch cannot even describe
+        raise refuse(f"too many ({e})") from None
+    count = sum(p.numel() for p in probe.parameters())
+    if count > limit:
+        raise refuse(f"{count:,}")
+
+
+class HeadDict(nn.ModuleDict):
+    """The heads by name: an ``nn.ModuleDict`` that also takes names which are attributes of
+    ``nn.ModuleDict`` (``"type"``, ``"keys"``, ``"to"``, ``"training"``, ...).
+
+    Heads are read by ``heads[name]``; state-dict keys stay ``heads.<name>.``. Attribute
+    access (``heads.keys``) keeps meaning the method, so ``HeadedModel.get_submodule``
+    resolves ``"heads.<name>"`` through the dict.
+    """
+
+    def __setitem__(self, key: str, module: nn.Module) -> None:
+        if not isinstance(key, str) or not key or "." in key:
+            raise ConfigError(f"head name {key!r} is invalid; a non-empty string without '.'")
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"head {key!r} must be an nn.Module, got {type(module).__name__}")
+        self._modules[key] = module  # add_module would refuse names that are attributes
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``train()`` sets ``self.training = mode``: a plain attribute even when a head is
+        # named "training" (nn.Module would refuse a bool for a child's name)
+        if not isinstance(value, nn.Module) and name in self.__dict__.get("_modules", {}):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+def get_submodule_by_name(root: nn.Module, target: str) -> nn.Module:
+    """``root.get_submodule(target)`` that reads each step from ``_modules`` first, so that
+    a head named like a module attribute (``heads.type``) resolves to the head."""
+    mod = root
+    for item in target.split(".") if target else []:
+        child = mod._modules.get(item)
+        if child is None:
+            return nn.Module.get_submodule(mod, item)
+        mod = child
+    return mod

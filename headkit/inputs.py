@@ -1,9 +1,11 @@
 """The backbone input stage: every input quirk, once.
 
 ``prepare_inputs`` checks a batch's model inputs (headkit errors naming the field, value and
-what is allowed), derives position ids from the attention mask for decoders (left padding,
-and cached decoding with a ``(batch, past + new)`` mask, as ``generate`` does), and speaks the
-installed transformers' dialect (the cache's name, output flags through ``**kwargs``).
+what is allowed), derives position ids from the attention mask for every architecture
+(``positions.py``: left padding, gaps, and cached decoding with a ``(batch, past + new)``
+mask, as ``generate`` does) and checks them against the backbone's position table before it
+runs, casts ``inputs_embeds`` to the backbone's dtype, and speaks the installed
+transformers' dialect (the cache's name, output flags through ``**kwargs``).
 ``HeadedModel.forward`` and feature caching both call it, so they get the same checks.
 """
 
@@ -17,6 +19,12 @@ from transformers import PreTrainedModel
 
 from .backbone import BackboneInfo, run_backbone
 from .errors import BatchError
+from .positions import (
+    check_position_range,
+    check_token_type_range,
+    mask_position_ids,
+    position_scheme,
+)
 
 #: Inputs ``HeadedModel.forward`` takes itself; a head's target may not use these names.
 MODEL_INPUTS = (
@@ -78,6 +86,10 @@ def prepare_inputs(
         )
     ref = input_ids if input_ids is not None else inputs_embeds
     seq = ref.shape[1]
+    inputs_embeds = cast_embeds(backbone, inputs_embeds, check)
+    position_ids = resolve_positions(
+        backbone, info, attention_mask, position_ids, token_type_ids, ref.shape[:2], past, check
+    )
     states_mask = attention_mask
     if attention_mask is not None and attention_mask.shape[1] != seq:
         states_mask = attention_mask[:, -seq:]  # (batch, past + seq): the new positions
@@ -91,10 +103,6 @@ def prepare_inputs(
         "output_attentions": output_attentions,
         "output_hidden_states": output_hidden_states,
     }
-    if info.is_decoder and position_ids is None and attention_mask is not None:
-        # Left padding: positions count real tokens only, as generate() does.
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        inputs["position_ids"] = positions[:, -seq:]
     params = info.forward_params
     if "past_key_values" not in params and "cache" in params:  # transformers >= 5.2x name
         inputs["cache"] = inputs.pop("past_key_values")
@@ -129,6 +137,50 @@ def run_stage(
             f"sequence length, position_ids and token_type_ids must stay within "
             f"{allowed or 'the backbone config'}"
         ) from e
+
+
+def resolve_positions(
+    backbone: PreTrainedModel,
+    info: BackboneInfo,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    shape: tuple[int, ...],
+    past: int,
+    check: bool = True,
+) -> torch.Tensor | None:
+    """The position ids to pass (the caller's, else from the mask: ``positions.py``), checked
+    with the token type ids against the backbone's tables before the backbone runs."""
+    scheme = info.positions or position_scheme(backbone, info.forward_params)
+    seq = shape[1]
+    derived = mask_position_ids(
+        backbone, scheme, info.is_decoder, attention_mask, position_ids, seq, check
+    )
+    if check:
+        check_position_range(scheme, derived, position_ids is not None, seq, past, tuple(shape))
+        check_token_type_range(backbone, token_type_ids)
+    return derived
+
+
+def cast_embeds(backbone: PreTrainedModel, inputs_embeds: Any, check: bool = True) -> Any:
+    """``inputs_embeds`` in the dtype of the backbone's embeddings (float64 → float32, ...);
+    a BatchError when a finite value does not fit that dtype."""
+    emb = _input_embeddings(backbone)
+    weight = getattr(emb, "weight", None)
+    if inputs_embeds is None or not isinstance(weight, torch.Tensor):
+        return inputs_embeds
+    if inputs_embeds.dtype == weight.dtype:
+        return inputs_embeds
+    cast = inputs_embeds.to(weight.dtype)
+    if check and inputs_embeds.device.type != "meta":
+        lost = torch.isfinite(inputs_embeds) & ~torch.isfinite(cast)
+        if bool(lost.any()):
+            raise BatchError(
+                f"inputs_embeds of dtype {inputs_embeds.dtype} hold "
+                f"{inputs_embeds[lost][0].item():g}, which overflows the backbone's dtype "
+                f"{weight.dtype}; allowed: values within +-{torch.finfo(weight.dtype).max:g}"
+            )
+    return cast
 
 
 def config_value(backbone: PreTrainedModel, *names: str) -> Any:

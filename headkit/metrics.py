@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from .config import HeadConfig
 from .errors import BatchError
+from .labels import without_unused_labels
 from .losses import IGNORE_INDEX, counted_positions, fit_labels, task_of
 
 
@@ -249,7 +250,8 @@ def evaluate_head_wise(
         with torch.no_grad():
             for batch in tqdm(loader, desc="evaluate", disable=not progress):
                 batch = _to_device(batch, device)
-                out = model(**batch)
+                # labels only loss-free heads read serve their metrics, not the model call
+                out = model(**without_unused_labels(batch, configs.values()))
                 labels = batch.get("labels")
                 if not isinstance(labels, Mapping):
                     labels = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,12 +24,16 @@ from transformers.utils import ModelOutput
 from .backbone import BackboneInfo, base_model_of, inspect_backbone
 from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
-from .errors import BatchError, ConfigError, NonFiniteLossError
-from .heads import Head, build_head
+from .errors import BatchError, CheckpointError, ConfigError, NonFiniteLossError
+from .heads import Head, HeadDict, build_head, get_submodule_by_name
 from .inputs import MODEL_INPUTS, prepare_inputs, run_stage
+from .labels import unused_targets
 from .losses import head_loss
 from .source import BackboneSource
 from .weighting import LossWeighting, build_weighting
+
+#: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
+DEFAULT_MAX_HEAD_PARAMETERS = 2**31
 
 
 @dataclass
@@ -70,6 +75,10 @@ class HeadedModel(nn.Module):
     where the backbone was loaded from (set by the loaders) so that a frozen, unchanged
     backbone is referenced by checkpoints instead of copied. ``check_inputs=False`` skips
     the per-batch input checks (for ``torch.compile`` and hot loops).
+
+    A label for a target that only loss-free heads (``loss_fct=None``) read is a BatchError
+    (it would be ignored) unless ``allow_unused_labels=True``. A head of more than
+    ``max_head_parameters`` parameters is refused before it is allocated.
     """
 
     # HF Trainer passes ``num_items_in_batch`` to models whose forward has ``**kwargs`` and then
@@ -79,7 +88,7 @@ class HeadedModel(nn.Module):
     def __init__(
         self,
         model: PreTrainedModel,
-        head_configs: Sequence[HeadConfig | dict],
+        head_configs: Sequence[HeadConfig | dict] | HeadConfig | dict,
         *,
         freeze_base_model: bool = True,
         loss_weighting: str | dict | LossWeighting = "fixed",
@@ -88,6 +97,8 @@ class HeadedModel(nn.Module):
         check_inputs: bool = True,
         layers_path: str | None = None,
         source: BackboneSource | None = None,
+        allow_unused_labels: bool = False,
+        max_head_parameters: int = DEFAULT_MAX_HEAD_PARAMETERS,
     ) -> None:
         super().__init__()
         if not isinstance(model, PreTrainedModel):
@@ -103,8 +114,12 @@ class HeadedModel(nn.Module):
         self.early_exit = early_exit
         self.check_inputs = check_inputs
         self.nonfinite_loss = nonfinite_loss
+        self.allow_unused_labels = bool(allow_unused_labels)
+        self.max_head_parameters = _check_budget(max_head_parameters)
         self.head_configs: dict[str, HeadConfig] = {}
         self._hooks: dict[str, int] = {}
+        if isinstance(head_configs, (HeadConfig, Mapping)):  # one head: a list of one
+            head_configs = [head_configs]
         for cfg in head_configs:
             cfg = HeadConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
             if not isinstance(cfg, HeadConfig):
@@ -115,8 +130,12 @@ class HeadedModel(nn.Module):
         self._check_targets()
         device = _device_of(self.backbone)
         pooler, pooler_size = self.info.pooler, self.info.pooler_size
-        self.heads = nn.ModuleDict(
-            {n: build_head(c, pooler_size, pooler).to(device) for n, c in self.head_configs.items()}
+        budget = self.max_head_parameters
+        self.heads = HeadDict(
+            {
+                n: build_head(c, pooler_size, pooler, budget).to(device)
+                for n, c in self.head_configs.items()
+            }
         )
         if model is not self.backbone:
             self._init_lm_head(model)
@@ -163,7 +182,8 @@ class HeadedModel(nn.Module):
         return cfg
 
     def _check_targets(self) -> None:
-        reserved = set(MODEL_INPUTS) | (self.info.forward_params - {"kwargs", "args"})
+        # "self": forward's first parameter cannot also be a keyword label
+        reserved = {"self", *MODEL_INPUTS} | (self.info.forward_params - {"kwargs", "args"})
         for cfg in self.head_configs.values():
             if cfg.target in reserved:
                 raise ConfigError(
@@ -271,7 +291,7 @@ class HeadedModel(nn.Module):
         preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
         losses = self.head_losses(preds, labels, inputs.mask)
         loss, adapted = self.combine_losses(losses)
-        loss = self._join_idle(loss, preds, adapted)
+        loss = self._join_idle(loss, preds, adapted if loss is not None else {}, bool(losses))
         return HeadedModelOutput(
             loss=loss,
             loss_by_head=losses,
@@ -299,6 +319,15 @@ class HeadedModel(nn.Module):
             raise BatchError(
                 f"unexpected batch key(s) {unknown}: not a model input and no head has that "
                 f"target; targets: {sorted(targets)}; inputs: {list(MODEL_INPUTS)}"
+            )
+        given = [k for k, v in labels.items() if v is not None]
+        unused = unused_targets(self.head_configs.values(), given)
+        if unused and not self.allow_unused_labels:
+            raise BatchError(
+                f"label(s) for target(s) {sorted(unused)} would be ignored: only head(s) "
+                f"{sorted(n for ns in unused.values() for n in ns)} read them, and they have "
+                "loss_fct=None; remove them from the batch, give the head a loss, or build "
+                "the model with allow_unused_labels=True"
             )
         return labels
 
@@ -352,6 +381,20 @@ class HeadedModel(nn.Module):
                 losses = {k: v for k, v in losses.items() if k != name}
         adapted = self.loss_weighting(losses)
         total = sum(adapted.values()) if adapted else None
+        if total is not None and not bool(torch.isfinite(total).all()):
+            parts = ", ".join(f"{n}: {float(v.detach()):g}" for n, v in adapted.items())
+            if self.nonfinite_loss == "raise":
+                raise NonFiniteLossError(
+                    f"the total loss of heads {sorted(adapted)} is non-finite "
+                    f"({float(total.detach())}) although each head's loss is finite (weighted: "
+                    f"{parts}); lower their loss_weight, or pass nonfinite_loss='skip' to "
+                    "HeadedModel to skip such steps"
+                )
+            warnings.warn(
+                f"heads {sorted(adapted)}: non-finite total loss ({parts}); step skipped",
+                stacklevel=3,
+            )
+            return None, adapted
         return total, adapted
 
     def _join_idle(
@@ -359,9 +402,12 @@ class HeadedModel(nn.Module):
         loss: torch.Tensor | None,
         preds: dict[str, torch.Tensor],
         adapted: dict[str, torch.Tensor],
+        skipped: bool = False,
     ) -> torch.Tensor | None:
-        if loss is None or not self.training or not torch.is_grad_enabled():
+        if not self.training or not torch.is_grad_enabled() or (loss is None and not skipped):
             return loss
+        if loss is None:  # nonfinite_loss="skip" left nothing: an exact zero, zero gradients
+            loss = torch.zeros((), device=self.device)
         # DDP (find_unused_parameters=False) needs every trainable parameter in each step's
         # graph: heads without labels in this batch, and the loss weighting, join with an
         # exact zero (nan_to_num keeps it zero even for non-finite predictions).
@@ -380,7 +426,17 @@ class HeadedModel(nn.Module):
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:
         """Load a checkpoint written by ``save_pretrained`` (safetensors and JSON only)."""
+        if not isinstance(checkpoint_dir, (str, PathLike)):
+            raise CheckpointError(
+                f"checkpoint_dir={checkpoint_dir!r:.100} is a {type(checkpoint_dir).__name__}; "
+                "expected a folder path (str or os.PathLike)"
+            )
         return restore(checkpoint_dir, model_cls=cls, **kwargs)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """``nn.Module.get_submodule``, also for heads named like module attributes
+        (``"heads.type"``)."""
+        return get_submodule_by_name(self, target)
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters and buffers headkit adds (heads and loss weighting)."""
@@ -406,12 +462,30 @@ class _ForwardWithTargets(functools.partial):
         params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
         taken = {p.name for p in params} | {p.name for p in var_kw}
         targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
-        params += [
-            inspect.Parameter(t, inspect.Parameter.KEYWORD_ONLY, default=None)
-            for t in targets
-            if t not in taken
-        ]
+        params += [_keyword(t) for t in targets if t not in taken]
         return sig.replace(parameters=params + var_kw)
+
+
+def _keyword(name: str) -> inspect.Parameter:
+    """A keyword-only parameter named ``name``, even when it is no Python identifier
+    ("my-head", "class"): such a target is still passed as ``**{name: ...}``, and HF
+    Trainer only reads the parameter names."""
+    try:
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+    except ValueError:
+        param = inspect.Parameter("_", inspect.Parameter.KEYWORD_ONLY, default=None)
+        object.__setattr__(param, "_name", name)  # Parameter validates names, Signature not
+        return param
+
+
+def _check_budget(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(
+            f"max_head_parameters={value!r} is invalid; a positive integer, or None for no limit"
+        )
+    return int(value)
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -43,6 +43,7 @@ from transformers import Trainer
 from .checkpoint import MANIFEST, restore
 from .data import HeadedCollator
 from .errors import ConfigError
+from .labels import without_unused_labels
 from .losses import IGNORE_INDEX, takes_class_indices
 
 
@@ -90,7 +91,8 @@ class HeadedTrainer(Trainer):
         heads = self._headed().head_configs
         labels = _labels_of(inputs, {c.target for c in heads.values()})
         with torch.no_grad(), self.compute_loss_context_manager():
-            out = model(**inputs)
+            # labels only loss-free heads read serve their metrics, not the model call
+            out = model(**without_unused_labels(inputs, heads.values()))
         loss = out.loss.detach().mean() if out.loss is not None else None
         if self._head_loss_sums is not None and out.loss_by_head:
             n = inputs["input_ids"].shape[0] if "input_ids" in inputs else 1
