@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .parallel import drop_idle_gradients
+
 #: Output fields the vanilla Trainer must not gather as predictions (``logits`` carries them).
 TRAINER_IGNORED_OUTPUTS = ("loss_by_head", "adapted_loss_by_head", "preds_by_head")
 
@@ -199,6 +201,12 @@ class PreTrainedConveniences:
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable parameters, all parameters), as peft's method of that name."""
         return self.num_parameters(only_trainable=True), self.num_parameters()
+
+    def drop_idle_gradients(self) -> list[str]:
+        """In a custom DDP loop with ``find_unused_parameters=False``, call this before
+        ``optimizer.step()``: heads that had no labels on any rank keep no gradient, so the
+        optimizer leaves them untouched (``parallel.drop_idle_gradients``)."""
+        return drop_idle_gradients(self)
 
     def print_trainable_parameters(self) -> None:
         """Print ``trainable params: ... || all params: ... || trainable%: ...`` (peft's line)."""

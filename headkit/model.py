@@ -286,7 +286,7 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
         losses = self.head_losses(preds, labels, inputs.mask)
         loss, adapted = self.combine_losses(losses)
         if self.training and torch.is_grad_enabled() and inside_strict_ddp():
-            loss = join_idle(loss, preds, set(adapted), self.loss_weighting)
+            loss = join_idle(self, loss, preds, set(adapted))
         trained = [n for n, c in self.head_configs.items() if c.loss_fct is not None]
         return HeadedModelOutput(
             loss=loss,

@@ -8,7 +8,9 @@ Two rules:
   parameters (``find_unused_parameters=True``: Trainer's default for a HeadedModel, since
   it is not a ``PreTrainedModel``). Inside a DDP forward that does not
   (``find_unused_parameters=False``), every trainable parameter must take part in each
-  step, so idle heads join the loss with an exact zero there, as ``join_idle`` does.
+  step, so idle heads join the loss with an exact zero there (``join_idle``), and
+  ``drop_idle_gradients`` (called by ``HeadedTrainer`` before each optimizer step) turns
+  the zero gradients of heads that were idle on every rank back into ``None``.
 * **Blocks no head reaches.** With early exit, the blocks after the deepest hooked layer
   (and the final norm, the pooler, ...) never run, so they can never get a gradient; with a
   trainable backbone they are frozen (``freeze_unreached``), so that DDP without
@@ -49,20 +51,44 @@ def inside_strict_ddp() -> bool:
 
 
 def join_idle(
+    model: Any,
     loss: torch.Tensor | None,
     preds: dict[str, torch.Tensor],
     used: set[str],
-    weighting: nn.Module,
 ) -> torch.Tensor | None:
     """``loss`` plus an exact zero from every trainable head not in ``used`` and from the loss
-    weighting's parameters (so that each takes part in the graph); ``nan_to_num`` keeps the
-    zero exact even for non-finite predictions."""
-    idle = [p for n, p in preds.items() if n not in used and p.requires_grad]
-    idle += [p for p in weighting.parameters() if p.requires_grad]
-    if not idle:
+    weighting's parameters, so that each takes part in the graph (``nan_to_num`` keeps the
+    zero exact even for non-finite predictions). The joined heads are remembered until
+    ``drop_idle_gradients``."""
+    idle = {n: p for n, p in preds.items() if n not in used and p.requires_grad}
+    terms = list(idle.values()) + [p for p in model.loss_weighting.parameters() if p.requires_grad]
+    if not terms:
         return loss
-    zero = sum((t * 0.0).nan_to_num(0.0, 0.0, 0.0).sum() for t in idle)
+    model.__dict__.setdefault("_joined_idle", set()).update(idle)
+    zero = sum((t * 0.0).nan_to_num(0.0, 0.0, 0.0).sum() for t in terms)
     return zero if loss is None else loss + zero
+
+
+@torch.no_grad()
+def drop_idle_gradients(model: Any) -> list[str]:
+    """Set to None the gradients that only an idle-head join gave (exact zeros: the head had
+    no labels on any rank since the last optimizer step), so that the optimizer leaves those
+    heads untouched; return their names. ``HeadedTrainer`` calls it before each optimizer
+    step; a custom DDP loop with ``find_unused_parameters=False`` calls it before
+    ``optimizer.step()``."""
+    joined = model.__dict__.pop("_joined_idle", set())
+    dropped = []
+    for name in sorted(joined):
+        params = [p for p in model.heads[name].parameters() if p.grad is not None]
+        if params and not any(bool(p.grad.any()) for p in params):
+            for p in params:
+                p.grad = None
+            dropped.append(name)
+    if joined:
+        for p in model.loss_weighting.parameters():
+            if p.grad is not None and not bool(p.grad.any()):
+                p.grad = None
+    return dropped
 
 
 def unreached_modules(backbone: nn.Module, info: BackboneInfo, deepest: int) -> list[str]:
@@ -103,9 +129,13 @@ def freeze_unreached(model: Any) -> list[str]:
     if not model.early_exit or not hooks or (info.num_layers in hooks and info.tie_last):
         return []
     deepest = max(hooks)
+    pools = any("pooler" in c.pooling_strategies for c in model.head_configs.values())
     frozen = []
     for name in unreached_modules(model.backbone, info, deepest):
-        params = [p for p in model.backbone.get_submodule(name).parameters() if p.requires_grad]
+        module = model.backbone.get_submodule(name)
+        if pools and module is info.pooler:
+            continue  # heads pooling with it run it on their hooked states
+        params = [p for p in module.parameters() if p.requires_grad]
         if params:
             for p in params:
                 p.requires_grad_(False)

@@ -18,7 +18,8 @@ The vanilla ``transformers.Trainer`` works with a HeadedModel and ``HeadedCollat
 * a head without labels in a step takes no part in it (its gradient stays None, so the
   optimizer leaves it untouched); under DDP that needs ``find_unused_parameters=True``, the
   default Trainer picks for a HeadedModel. With ``ddp_find_unused_parameters=False`` such
-  heads join the loss with an exact zero instead (see ``parallel.py``).
+  heads join the loss with an exact zero instead, and HeadedTrainer drops those zero
+  gradients before the optimizer step (see ``parallel.py``).
 
 What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds:
 
@@ -47,14 +48,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from .checkpoint import MANIFEST, restore
 from .data import HeadedCollator
 from .errors import ConfigError
 from .labels import loss_heads, route_labels
 from .losses import IGNORE_INDEX, takes_class_indices
-from .parallel import join_idle
+from .parallel import drop_idle_gradients, join_idle
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class HeadedTrainer(Trainer):
             )
         self._head_loss_sums: torch.Tensor | None = None
         self.skipped_batches = 0
+        self.add_callback(_DropIdleGradients(self))
 
     # ------------------------------------------------------------------ training
     def compute_loss(
@@ -116,8 +118,7 @@ class HeadedTrainer(Trainer):
             self.skipped_batches += 1
             if loss is None and self.args.world_size > 1:
                 # DDP must see parameters in the graph: the heads join with an exact zero
-                headed = self._headed()
-                loss = join_idle(None, outputs.preds_by_head, set(), headed.loss_weighting)
+                loss = join_idle(self._headed(), None, outputs.preds_by_head, set())
             if loss is None:  # nothing in the graph: no gradient, no update
                 loss = torch.zeros((), device=self.args.device, requires_grad=True)
         return (loss, outputs) if return_outputs else loss
@@ -224,6 +225,16 @@ class HeadedTrainer(Trainer):
 
     def _headed(self) -> Any:
         return self.accelerator.unwrap_model(self.model)
+
+
+class _DropIdleGradients(TrainerCallback):
+    """Before each optimizer step: heads idle on every rank keep no (zero) gradient."""
+
+    def __init__(self, trainer: HeadedTrainer) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        drop_idle_gradients(self.trainer._headed())
 
 
 def _labels_of(inputs: Mapping[str, Any], heads: Mapping[str, Any]) -> dict[str, torch.Tensor]:
