@@ -112,7 +112,10 @@ def to_sentence_transformer(
 def _exportable(model: Any, head: str) -> tuple[Any, str, list[tuple[nn.Linear, nn.Module]]]:
     """(config, sentence-transformers pooling mode, [(Linear, activation after it)])."""
     if head not in model.head_configs:
-        raise ConfigError(f"head={head!r} is not a head of this model; heads: {list(model.heads)}")
+        raise ConfigError(
+            f"to_sentence_transformer: head={head!r} is not a head of this model; heads: "
+            f"{list(model.heads)}"
+        )
     cfg = model.head_configs[head]
     where = f"to_sentence_transformer: head {head!r}"
     if not cfg.pred_for_sequence:

@@ -216,6 +216,11 @@ def test_headed_collator_gives_a_label_column_to_the_one_trained_head(tiny_gpt2)
     )
     assert batch["labels"].tolist() == [2, 0]  # a plain tensor, as transformers' collators
     assert set(model(**batch).loss_by_head) == {"sent"}
+    with pytest.raises(BatchError, match=r"features hold both 'label' and 'sent'"):
+        HeadedCollator(model)([{"input_ids": [5], "label": 2, "sent": 2}])
+    two = HeadedModel(tiny_gpt2, [HeadConfig("a", num_outputs=2), HeadConfig("b", num_outputs=2)])
+    with pytest.raises(BatchError, match=r"'label' is neither .* only when the model has exactly"):
+        HeadedCollator(two)([{"input_ids": [5], "label": 1}])
 
 
 # ---------------------------------------------------------------------- (3) checkpointing
