@@ -103,7 +103,7 @@ class HeadedTrainer(Trainer):
     ) -> Any:
         """Trainer's loss; a batch whose every head loss was left out as non-finite
         (``nonfinite_loss="skip"``) gives a zero loss that updates nothing."""
-        if not model.training:
+        if not model.training or self.compute_loss_func is not None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         outputs = model(**inputs)
         loss = outputs.loss

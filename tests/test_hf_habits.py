@@ -378,10 +378,11 @@ def test_a_batch_whose_every_loss_is_skipped_is_skipped(tmp_path, caplog):
     model = HeadedModel(build_tiny("gpt2", num_layers=2), [head], nonfinite_loss="skip")
     data = [{"input_ids": [5 + i, 6, 7], "score": 1e30 if i < 4 else i / 8} for i in range(8)]
     before = model.heads["score"].linears[0].weight.detach().clone()
-    args = _args(tmp_path, per_device_train_batch_size=4, max_steps=2)
+    # in order: every loss of the first batch overflows, the second batch trains
+    args = _args(
+        tmp_path, per_device_train_batch_size=4, max_steps=2, train_sampling_strategy="sequential"
+    )
     trainer = HeadedTrainer(model=model, args=args, train_dataset=data)
-    trainer.train_dataset = data  # in order: the first batch overflows, the second does not
-    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(data)
     with caplog.at_level(logging.WARNING), pytest.warns(UserWarning, match="non-finite loss"):
         trainer.train()
     assert trainer.state.global_step == 2 and trainer.skipped_batches == 1
