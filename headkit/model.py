@@ -69,8 +69,9 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
     model): its bare transformer becomes ``self.backbone``, and a
     head named ``lm_head`` with ``is_causal_lm=True`` starts from the task model's output
     embeddings, so its predictions equal the original LM logits. The backbone is not
-    modified (only frozen, and then put in eval mode, if asked), so peft and generation
-    utilities can wrap it.
+    modified (only frozen, and then put in eval mode, if asked; the per-head output dicts
+    are added to its config's ``keys_to_ignore_at_inference`` for Trainer), so peft and
+    generation utilities can wrap it.
 
     Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
     not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
