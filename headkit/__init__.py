@@ -1,6 +1,7 @@
 """headkit: attach, train, save and load new heads on any Hugging Face transformer."""
 
 from .activations import ACTIVATIONS
+from .compat import get_model_params, get_top_n_preds, print_trainable_parameters
 from .config import HeadConfig
 from .data import HeadedCollator
 from .errors import BatchError, CheckpointError, ConfigError, HeadkitError, NonFiniteLossError
@@ -16,6 +17,7 @@ from .losses import LOSSES, LossSpec
 from .metrics import HeadwiseMetrics, evaluate_head_wise
 from .model import HeadedModel, HeadedModelOutput
 from .pooling import POOLINGS, PoolingStrategy, SequencePooling
+from .st import to_sentence_transformer
 from .weighting import LossWeighting
 
 __version__ = "0.1.0"
@@ -45,8 +47,12 @@ __all__ = [
     "SequencePooling",
     "cache_features",
     "evaluate_head_wise",
+    "get_model_params",
+    "get_top_n_preds",
     "load_headed",
     "predict_on_features",
+    "print_trainable_parameters",
+    "to_sentence_transformer",
     "train_heads_on_features",
 ]
 

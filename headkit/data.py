@@ -4,7 +4,10 @@ Inputs are padded with the pad id and a 0 in ``attention_mask`` (headkit reads p
 the mask only). Token-level labels are padded on the same side as the inputs with -100 (or a
 per-target pad value); sequence-level labels are stacked (ints → int64, floats → float32).
 Labels go under ``batch["labels"]`` as ``{target: tensor}``: HF Trainer recognises that key as
-the batch's labels (so evaluation reports ``eval_loss``) and HeadedModel unpacks it.
+the batch's labels (so evaluation reports ``eval_loss``) and HeadedModel unpacks it. For a
+model with one head that has a loss, ``batch["labels"]`` is that head's label tensor, as
+transformers' collators make it (so Trainer's ``EvalPrediction.label_ids`` is a plain array),
+and a ``label`` / ``label_ids`` column is that head's label too.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from .errors import BatchError, ConfigError
 from .inputs import TOKEN_INPUT_PADS as _TOKEN_INPUTS
+from .labels import RENAMED_TO_LABELS, single_loss_target
 from .losses import IGNORE_INDEX, minus_100_is_ignored
 
 
@@ -76,6 +80,8 @@ class HeadedCollator:
                 f"names (e.g. [{token_targets!r}]), not one string"
             )
         self._heads = _heads_by_target(model)
+        configs = getattr(model, "head_configs", None) if model is not None else None
+        self._single_target = single_loss_target(configs) if configs else None
         self._token_targets = set(token_targets or ())
         self._token_targets |= {t for t, cfgs in self._heads.items() if _is_token_level(cfgs)}
 
@@ -113,17 +119,19 @@ class HeadedCollator:
                 rows = _token_rows(features, lengths, key, fill=0)
                 batch[key] = self._pad(rows, _TOKEN_INPUTS[key], width)
 
-        targets = [
-            k for k in dict.fromkeys(k for f in features for k in f) if k not in _TOKEN_INPUTS
-        ]
+        keys = [k for k in dict.fromkeys(k for f in features for k in f) if k not in _TOKEN_INPUTS]
         labels: dict[str, torch.Tensor] = {}
-        for target in targets:
-            self._check_target(target)
-            values = [f.get(target) for f in features]
+        for key in keys:
+            target = self._target_of(key, keys)
+            values = [f.get(key) for f in features]
             if all(v is None for v in values):
                 continue
             labels[target] = self._collate_labels(target, values, lengths, width)
-        if labels:
+        single = self._single_target
+        if single in labels and self.labels_key == "labels":
+            batch["labels"] = labels.pop(single)  # one trained head: a plain tensor
+            batch.update(labels)
+        elif labels:
             if self.labels_key is None:
                 batch.update(labels)
             else:
@@ -142,13 +150,30 @@ class HeadedCollator:
         )
 
     # ------------------------------------------------------------------ helpers
-    def _check_target(self, target: str) -> None:
-        if self.model is not None and target not in self._heads:
-            raise BatchError(
-                f"HeadedCollator: feature key {target!r} is neither a model input "
-                f"({', '.join(_TOKEN_INPUTS)}) nor a head target "
-                f"({', '.join(sorted(self._heads))}); remove that column from the data"
-            )
+    def _target_of(self, key: str, keys: list[str]) -> str:
+        """The head target a feature key holds: itself, or for a model with one head that
+        has a loss, a ``label`` / ``label_ids`` / ``labels`` column is that head's label."""
+        if self.model is None or key in self._heads:
+            return key
+        renamed = key in (*RENAMED_TO_LABELS, "labels")
+        if renamed and self._single_target is not None:
+            if self._single_target in keys:
+                raise BatchError(
+                    f"HeadedCollator: features hold both {key!r} and {self._single_target!r}, "
+                    f"the labels of the model's one head with a loss; keep one of them"
+                )
+            return self._single_target
+        hint = (
+            "; a 'label' column goes to the head with a loss only when the model has exactly "
+            "one: name the column after its head's target"
+            if renamed
+            else ""
+        )
+        raise BatchError(
+            f"HeadedCollator: feature key {key!r} is neither a model input "
+            f"({', '.join(_TOKEN_INPUTS)}) nor a head target "
+            f"({', '.join(sorted(self._heads))}); remove that column from the data{hint}"
+        )
 
     def _pad_value(self, target: str) -> float:
         v = self.label_pad_value

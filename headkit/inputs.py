@@ -48,6 +48,16 @@ TOKEN_INPUT_PADS: dict[str, int | None] = {
 }
 #: The model inputs a batch of examples carries (the others are call options).
 BATCH_INPUTS = (*TOKEN_INPUT_PADS, "inputs_embeds")
+#: Keys tokenizers add that are no model input: sentence-transformers 6's ``preprocess`` /
+#: ``tokenize`` adds ``modality`` (a string) and, with prompts, ``prompt_length``.
+TOKENIZER_EXTRAS = ("modality", "prompt_length")
+
+
+def drop_tokenizer_extras(batch: dict[str, Any], targets: set[str]) -> dict[str, Any]:
+    """``batch`` without the ``TOKENIZER_EXTRAS`` keys (a head target of that name is kept),
+    so that ``model(**st.tokenize(texts))`` works."""
+    extras = [k for k in TOKENIZER_EXTRAS if k in batch and k not in targets]
+    return {k: v for k, v in batch.items() if k not in extras} if extras else batch
 
 
 @dataclass

@@ -13,6 +13,7 @@ from .config import HeadConfig
 from .errors import ConfigError
 from .model import HeadedModel
 from .source import BackboneSource, load_backbone, source_of
+from .st import is_sentence_transformer, transformer_folder, transformers_model_of
 
 
 def load_headed(
@@ -28,7 +29,9 @@ def load_headed(
 ) -> HeadedModel:
     """Load a backbone and attach heads.
 
-    ``model`` is a local path or hub id, an already-built ``PreTrainedModel``, or (as in
+    ``model`` is a local path or hub id, an already-built ``PreTrainedModel``, a
+    ``SentenceTransformer`` or the folder of a saved one (its Transformer module's model is the
+    backbone), or (as in
     transformer-heads) a model class followed by the path: ``load_headed(LlamaForCausalLM,
     path, head_configs=[...])``. ``head_folder_path`` restores a checkpoint written by
     ``save_pretrained`` onto that backbone (its heads, loss weighting, settings and, if it
@@ -103,6 +106,7 @@ def _backbone(
         )
         return hf, source_of(hf, model_name, torch_dtype, kwargs)
     if isinstance(model, (str, os.PathLike)):
+        model = transformer_folder(model) if os.path.isdir(model) else model
         hf = load_backbone(
             str(model),
             torch_dtype=torch_dtype,
@@ -111,6 +115,8 @@ def _backbone(
             **kwargs,
         )
         return hf, source_of(hf, model, torch_dtype, kwargs)
+    if is_sentence_transformer(model):
+        model = transformers_model_of(model)
     if isinstance(model, PreTrainedModel):
         return model, None
     raise ConfigError(

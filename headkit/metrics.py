@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from .config import HeadConfig
 from .errors import BatchError
-from .labels import without_unused_labels
+from .labels import keep_model_columns, loss_heads, route_labels, without_unused_labels
 from .losses import IGNORE_INDEX, counted_positions, fit_labels, task_of
 
 
@@ -175,12 +175,14 @@ def compute_head_metrics(
 
 class HeadwiseMetrics:
     """A ``compute_metrics`` for ``transformers.Trainer``: reports ``<head>_<metric>`` (logged
-    as ``eval_<head>_<metric>``). Reads predictions as ``{head: array}`` (HeadedTrainer) or the
-    vanilla Trainer's tuple, whose last dict is ``preds_by_head``; labels as ``{target: array}``.
+    as ``eval_<head>_<metric>``) for every head that has a loss and labels. Reads predictions
+    as ``{head: array}`` and labels as ``{target: array}``, or, for a model with one head that
+    has a loss, that head's arrays (what Trainer and HeadedTrainer then pass).
     """
 
     def __init__(self, model: Any) -> None:
         self.head_configs: dict[str, HeadConfig] = dict(model.head_configs)
+        self._trained = loss_heads(self.head_configs)
         self._meters: dict[str, HeadMetric] | None = None
 
     def __call__(self, eval_pred: Any, compute_result: bool = True) -> dict[str, float]:
@@ -189,7 +191,12 @@ class HeadwiseMetrics:
         preds, labels = eval_pred.predictions, eval_pred.label_ids
         if isinstance(preds, (tuple, list)):
             dicts = [p for p in preds if isinstance(p, Mapping)]
-            preds = dicts[-1] if dicts else None
+            preds = dicts[-1] if dicts else preds[0]
+        if len(self._trained) == 1 and not isinstance(preds, Mapping):
+            preds = {self._trained[0]: preds}  # the one trained head's plain arrays
+            labels = None if labels is None else {"labels": labels}
+        if isinstance(labels, Mapping):
+            labels = route_labels(self.head_configs, dict(labels))
         if not isinstance(preds, Mapping) or not isinstance(labels, Mapping):
             raise BatchError(
                 "HeadwiseMetrics: predictions and label_ids must be dicts by head and by target "
@@ -197,11 +204,12 @@ class HeadwiseMetrics:
                 "HeadedCollator, which puts labels under batch['labels']"
             )
         if self._meters is None:
-            self._meters = {n: HeadMetric(c) for n, c in self.head_configs.items()}
+            self._meters = {n: HeadMetric(self.head_configs[n]) for n in self._trained}
         try:
-            for name, cfg in self.head_configs.items():
-                if name in preds and labels.get(cfg.target) is not None:
-                    self._meters[name].update(preds[name], labels[cfg.target])
+            for name, meter in self._meters.items():
+                y = labels.get(self.head_configs[name].target)
+                if name in preds and y is not None:
+                    meter.update(preds[name], y)
         except Exception:
             self._meters = None  # a failed evaluation must not leak into the next one
             raise
@@ -218,16 +226,19 @@ class HeadwiseMetrics:
 def evaluate_head_wise(
     model: Any,
     data: Iterable[Any],
-    *,
     collator: Any = None,
     batch_size: int = 8,
+    *,
     progress: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Evaluate every head that has labels in ``data`` → ``{head: {metric: value}}``.
 
     ``data``: a DataLoader (its batches are used as they are) or a dataset / list of feature
-    dicts, batched with ``collator`` (default ``HeadedCollator(model)``). Each head also gets
-    ``loss``: its loss averaged over the examples of the batches that had its labels.
+    dicts, batched with ``collator`` (default ``HeadedCollator(model)``; transformer-heads'
+    positional form ``evaluate_head_wise(model, dataset, collator)`` works). Columns that are
+    neither model inputs nor head targets are dropped first, as Trainer does, with a warning
+    naming them. Each head also gets ``loss``: its loss averaged over the examples of the
+    batches that had its labels.
     """
     if isinstance(data, DataLoader):
         loader: Iterable[Any] = data
@@ -238,6 +249,7 @@ def evaluate_head_wise(
             from .data import HeadedCollator
 
             collator = HeadedCollator(model)
+        data = keep_model_columns(data, model.head_configs, "evaluate_head_wise")
         loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collator)
     configs: dict[str, HeadConfig] = dict(model.head_configs)
     meters = {n: HeadMetric(c) for n, c in configs.items()}
@@ -252,11 +264,10 @@ def evaluate_head_wise(
                 batch = _to_device(batch, device)
                 # labels only loss-free heads read serve their metrics, not the model call
                 out = model(**without_unused_labels(batch, configs.values()))
-                labels = batch.get("labels")
-                if not isinstance(labels, Mapping):
-                    labels = {
-                        c.target: batch[c.target] for c in configs.values() if c.target in batch
-                    }
+                targets = {c.target for c in configs.values()}
+                labels = route_labels(
+                    configs, {k: v for k, v in batch.items() if k == "labels" or k in targets}
+                )
                 mask = batch.get("attention_mask")
                 n = int(batch["input_ids"].shape[0]) if "input_ids" in batch else 1
                 for name, cfg in configs.items():

@@ -26,10 +26,13 @@ from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
 from .errors import BatchError, CheckpointError, ConfigError, NonFiniteLossError
 from .heads import Head, HeadDict, build_head, get_submodule_by_name
-from .inputs import MODEL_INPUTS, prepare_inputs, run_stage
-from .labels import unused_targets
+from .hf import PreTrainedConveniences, hide_head_dicts_from_trainer
+from .inputs import MODEL_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
+from .labels import route_labels, unused_targets
 from .losses import head_loss
+from .parallel import freeze_unreached, inside_strict_ddp, join_idle
 from .source import BackboneSource
+from .st import transformers_model_of
 from .weighting import LossWeighting, build_weighting
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
@@ -44,9 +47,12 @@ class HeadedModelOutput(ModelOutput):
     (batch, seq, num_outputs) otherwise. ``loss`` is the sum of ``adapted_loss_by_head``
     (loss_weight × loss with the default weighting); heads without labels are absent from
     the loss dicts. ``cache`` (alias ``past_key_values``) is set when ``use_cache=True``.
+    ``logits`` is what Trainer hands to ``compute_metrics``: the predictions of the one head
+    with a loss, or ``preds_by_head`` when there are several (or none).
     """
 
     loss: torch.Tensor | None = None
+    logits: torch.Tensor | dict[str, torch.Tensor] | None = None
     loss_by_head: dict[str, torch.Tensor] | None = None
     adapted_loss_by_head: dict[str, torch.Tensor] | None = None
     preds_by_head: dict[str, torch.Tensor] | None = None
@@ -59,22 +65,26 @@ class HeadedModelOutput(ModelOutput):
         return self.cache
 
 
-class HeadedModel(nn.Module):
+class HeadedModel(PreTrainedConveniences, nn.Module):
     """A transformer backbone with named heads.
 
-    ``model`` may be a bare transformer (``BertModel``) or a task model (``GPT2LMHeadModel``,
-    ``BertForSequenceClassification``): its bare transformer becomes ``self.backbone``, and a
+    ``model`` may be a bare transformer (``BertModel``), a task model (``GPT2LMHeadModel``,
+    ``BertForSequenceClassification``) or a ``SentenceTransformer`` (its Transformer module's
+    model): its bare transformer becomes ``self.backbone``, and a
     head named ``lm_head`` with ``is_causal_lm=True`` starts from the task model's output
     embeddings, so its predictions equal the original LM logits. The backbone is not
-    modified (only frozen, and then put in eval mode, if asked), so peft and generation
-    utilities can wrap it.
+    modified (only frozen, and then put in eval mode, if asked; the per-head output dicts
+    are added to its config's ``keys_to_ignore_at_inference`` for Trainer), so peft and
+    generation utilities can wrap it.
 
     Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
     not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
     ``layers_path`` names the block stack when inspection cannot find it; ``source`` records
     where the backbone was loaded from (set by the loaders) so that a frozen, unchanged
     backbone is referenced by checkpoints instead of copied. ``check_inputs=False`` skips
-    the per-batch input checks (for ``torch.compile`` and hot loops).
+    the per-batch input checks (for ``torch.compile`` and hot loops). With a trainable
+    backbone and early exit, the blocks after the deepest hooked layer never run and are
+    frozen (see ``parallel.freeze_unreached``).
 
     A label for a target that only loss-free heads (``loss_fct=None``) read is a BatchError
     (it would be ignored) unless ``allow_unused_labels=True``. A head of more than
@@ -101,6 +111,7 @@ class HeadedModel(nn.Module):
         max_head_parameters: int = DEFAULT_MAX_HEAD_PARAMETERS,
     ) -> None:
         super().__init__()
+        model = transformers_model_of(model)
         if not isinstance(model, PreTrainedModel):
             raise ConfigError(
                 f"model must be a transformers PreTrainedModel, got {type(model).__name__}"
@@ -142,6 +153,9 @@ class HeadedModel(nn.Module):
         if freeze_base_model:
             self.backbone.requires_grad_(False)
             self.backbone.eval()  # no dropout noise in features nothing learns from
+        else:
+            freeze_unreached(self)
+        hide_head_dicts_from_trainer(self.backbone.config)
         self.set_loss_weighting(loss_weighting)
         # ``model.forward`` advertises the heads' targets (see _ForwardWithTargets).
         self.forward = _ForwardWithTargets(type(self).forward, self)
@@ -291,9 +305,12 @@ class HeadedModel(nn.Module):
         preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
         losses = self.head_losses(preds, labels, inputs.mask)
         loss, adapted = self.combine_losses(losses)
-        loss = self._join_idle(loss, preds, adapted if loss is not None else {}, bool(losses))
+        if self.training and torch.is_grad_enabled() and inside_strict_ddp():
+            loss = join_idle(self, loss, preds, set(adapted))
+        trained = [n for n, c in self.head_configs.items() if c.loss_fct is not None]
         return HeadedModelOutput(
             loss=loss,
+            logits=preds[trained[0]] if len(trained) == 1 else preds,
             loss_by_head=losses,
             adapted_loss_by_head=adapted,
             preds_by_head=preds,
@@ -303,23 +320,10 @@ class HeadedModel(nn.Module):
         )
 
     def _route_labels(self, labels: dict[str, Any]) -> dict[str, Any]:
-        """Flatten ``labels={target: ...}`` and refuse keys that are no head's target."""
-        nested = labels.pop("labels", None) if isinstance(labels.get("labels"), Mapping) else None
-        if nested is not None:
-            twice = sorted(set(nested) & set(labels))
-            if twice:
-                raise BatchError(
-                    f"target(s) {twice} given twice, in labels={{...}} and as keyword "
-                    "argument(s); pass each label once"
-                )
-            labels = {**nested, **labels}
+        """Flatten ``labels={target: ...}``, give a ``labels`` tensor to the one head with a
+        loss, and refuse keys that are no head's target (``labels.route_labels``)."""
         targets = {c.target for c in self.head_configs.values()}
-        unknown = [k for k in labels if k not in targets]
-        if unknown:
-            raise BatchError(
-                f"unexpected batch key(s) {unknown}: not a model input and no head has that "
-                f"target; targets: {sorted(targets)}; inputs: {list(MODEL_INPUTS)}"
-            )
+        labels = route_labels(self.head_configs, drop_tokenizer_extras(labels, targets))
         given = [k for k, v in labels.items() if v is not None]
         unused = unused_targets(self.head_configs.values(), given)
         if unused and not self.allow_unused_labels:
@@ -396,26 +400,6 @@ class HeadedModel(nn.Module):
             )
             return None, adapted
         return total, adapted
-
-    def _join_idle(
-        self,
-        loss: torch.Tensor | None,
-        preds: dict[str, torch.Tensor],
-        adapted: dict[str, torch.Tensor],
-        skipped: bool = False,
-    ) -> torch.Tensor | None:
-        if not self.training or not torch.is_grad_enabled() or (loss is None and not skipped):
-            return loss
-        if loss is None:  # nonfinite_loss="skip" left nothing: an exact zero, zero gradients
-            loss = torch.zeros((), device=self.device)
-        # DDP (find_unused_parameters=False) needs every trainable parameter in each step's
-        # graph: heads without labels in this batch, and the loss weighting, join with an
-        # exact zero (nan_to_num keeps it zero even for non-finite predictions).
-        idle = [p for n, p in preds.items() if n not in adapted and p.requires_grad]
-        idle += [p for p in self.loss_weighting.parameters() if p.requires_grad]
-        for t in idle:
-            loss = loss + (t * 0.0).nan_to_num(0.0, 0.0, 0.0).sum()
-        return loss
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:

@@ -20,7 +20,7 @@ loss computation as ``HeadedModel.forward`` (``head_loss`` + ``combine_losses``)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..errors import BatchError, ConfigError
-from ..inputs import BATCH_INPUTS, prepare_inputs, run_stage
+from ..inputs import BATCH_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
+from ..labels import keep_model_columns, route_labels
 from ..losses import IGNORE_INDEX, counted_positions, labels_as_tensor, minus_100_is_ignored
 from ..model import HeadedModel
 from .storage import CachedFeatures, _DiskWriter, _MemoryWriter, _Writer
@@ -50,7 +51,8 @@ def cache_features(
 
     ``dataset``: a map-style or iterable dataset of examples (batched in order with
     ``batch_size`` and ``collate_fn``, default ``HeadedCollator(model)``) or a ``DataLoader``;
-    batches hold model inputs and head targets, as for ``HeadedModel.forward``.
+    batches hold model inputs and head targets, as for ``HeadedModel.forward`` (other
+    columns are dropped with a warning naming them, as Trainer does).
     ``storage``: "memory" or a directory (created; an existing non-empty one needs
     ``overwrite=True``). ``dtype`` is the stored float type. Raises ConfigError if anything
     outside the heads is trainable (cached features would go stale as it trains).
@@ -58,16 +60,7 @@ def cache_features(
     check_frozen(model)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype={dtype!r} is invalid; a floating torch dtype (torch.float32...)")
-    if isinstance(dataset, DataLoader):
-        loader: Iterable = dataset
-    else:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ConfigError(f"batch_size={batch_size!r} is invalid; an integer >= 1")
-        if collate_fn is None:
-            from ..data import HeadedCollator
-
-            collate_fn = HeadedCollator(model)
-        loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
+    loader = _loader(model, dataset, batch_size, collate_fn)
     heads = _plan_heads(model)
     targets = _label_layouts(model)
     if isinstance(storage, str) and storage == "memory":
@@ -126,6 +119,20 @@ def cache_features(
         raise
     finally:
         model.backbone.train(was_training)
+
+
+def _loader(model: HeadedModel, dataset: Any, batch_size: Any, collate_fn: Any) -> Iterable:
+    """A DataLoader as given, else one over ``dataset`` without the columns the model ignores."""
+    if isinstance(dataset, DataLoader):
+        return dataset
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r} is invalid; an integer >= 1")
+    if collate_fn is None:
+        from ..data import HeadedCollator
+
+        collate_fn = HeadedCollator(model)
+    kept = keep_model_columns(dataset, model.head_configs, "cache_features")
+    return DataLoader(kept, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
 
 
 def _cache_batch(
@@ -245,11 +252,9 @@ def _split_batch(model: HeadedModel, batch: Any) -> tuple[Any, dict[str, Any]]:
         raise BatchError(
             f"a batch must be a dict of model inputs and head targets, got {type(batch).__name__}"
         )
-    if isinstance(batch.get("labels"), Mapping):  # HeadedCollator's labels={target: ...}
-        rest = {k: v for k, v in batch.items() if k != "labels"}
-        batch = {**batch["labels"], **rest}
     targets = {c.target for c in model.head_configs.values()}
-    unknown = sorted(k for k in batch if k not in targets and k not in BATCH_INPUTS)
+    batch = drop_tokenizer_extras(batch, targets)
+    unknown = sorted(k for k in batch if k not in targets | {"labels"} and k not in BATCH_INPUTS)
     if unknown:
         raise BatchError(
             f"unexpected batch key(s) {unknown} while caching features; allowed: model inputs "
@@ -262,7 +267,8 @@ def _split_batch(model: HeadedModel, batch: Any) -> tuple[Any, dict[str, Any]]:
         if k in BATCH_INPUTS and v is not None
     }
     inputs = prepare_inputs(model.backbone, model.info, **given, check=model.check_inputs)
-    labels = {k: v for k, v in batch.items() if k in targets and v is not None}
+    given = {k: v for k, v in batch.items() if k not in BATCH_INPUTS}
+    labels = {k: v for k, v in route_labels(model.head_configs, given).items() if v is not None}
     return inputs, labels
 
 
