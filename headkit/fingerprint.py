@@ -72,7 +72,8 @@ def _sample(t: torch.Tensor) -> bytes:
     n = flat.numel()
     if n == 0 or flat.device.type == "meta":
         return b""
-    index = torch.linspace(0, n - 1, steps=min(SAMPLE, n), device="cpu").round().long()
+    k = min(SAMPLE, n)
+    index = torch.arange(k, dtype=torch.int64) * (n - 1) // max(k - 1, 1)  # first .. last
     values = flat.index_select(0, index.to(flat.device)).cpu()
     if values.dtype in (torch.bfloat16, torch.float16):
         values = values.view(torch.int16)

@@ -150,6 +150,18 @@ def test_a_restored_model_saved_back_keeps_its_backbone_folder_in_place(tmp_path
     assert same(predict(HeadedModel.from_pretrained(folder)), predict(restored))
 
 
+def test_a_model_restored_in_another_dtype_saves_its_backbone_as_it_is(tmp_path, model):
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)  # a float32 backbone
+    old = next(folder.glob("backbone-*"))
+    restored = HeadedModel.from_pretrained(folder, dtype=torch.bfloat16)
+    restored.save_pretrained(folder)  # the folder holds float32: not the model's backbone
+    assert not old.exists()
+    again = HeadedModel.from_pretrained(folder)
+    assert again.backbone.dtype == torch.bfloat16
+    assert same(predict(again), predict(restored))
+
+
 def test_a_restored_model_whose_backbone_changed_writes_a_new_one(tmp_path, model):
     folder = tmp_path / "ckpt"
     model.save_pretrained(folder)

@@ -18,8 +18,8 @@ import torch
 from conftest import build_tiny
 from transformers import AutoModel
 
-from headkit import ConfigError, HeadConfig, HeadedModel, load_headed
-from headkit.fingerprint import LoadStamp, files_fingerprint
+from headkit import CheckpointError, ConfigError, HeadConfig, HeadedModel, load_headed
+from headkit.fingerprint import SAMPLE, LoadStamp, _sample, files_fingerprint
 from headkit.packaged import minilm_path
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -151,6 +151,15 @@ def test_the_files_fingerprint_sees_headers_sizes_and_sampled_bytes(tmp_path, gp
         assert fingerprint(bytes(flipped)) == base
 
 
+def test_the_tensor_sample_spans_large_tensors_from_first_to_last_element():
+    """Beyond 2**24 elements a float32 index grid would round past the end (SmolLM2's
+    embeddings have 28M): the sample is indexed with integers, first to last element."""
+    t = torch.zeros(2**24 + 3, dtype=torch.int8)
+    t[0], t[-1] = 7, 9
+    sample = _sample(t)
+    assert len(sample) == SAMPLE and sample[0] == 7 and sample[-1] == 9
+
+
 def test_the_load_stamp_sees_in_place_changes_and_writes_through_data(gpt2_dir):
     backbone = AutoModel.from_pretrained(gpt2_dir)
     stamp = LoadStamp(backbone)
@@ -232,6 +241,22 @@ def test_a_backbone_far_from_the_checkpoint_is_recorded_absolute(tmp_path):
     model.save_pretrained(tmp_path / "c" / "d" / "probe")
     source = backbone_entry(tmp_path / "c" / "d" / "probe")["source"]
     assert source == str((tmp_path / "a" / "b" / "base").resolve())  # the last resort
+
+
+@pytest.mark.parametrize(
+    ("source", "pattern"),
+    [
+        ({"package": "no-such-pkg", "path": "x"}, r"package 'no-such-pkg', which is not installed"),
+        ({"checkpoint": "../nowhere"}, r"recorded as \{'checkpoint': '\.\./nowhere'\} is missing"),
+    ],
+)
+def test_a_backbone_in_a_missing_package_or_folder_is_named(tmp_path, gpt2_dir, source, pattern):
+    load_headed(str(gpt2_dir), head_configs=HEADS).save_pretrained(tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
+    manifest["backbone"]["source"] = source
+    (tmp_path / "ckpt" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=pattern):
+        HeadedModel.from_pretrained(tmp_path / "ckpt")
 
 
 def test_load_headed_recognises_a_checkpoint_folder(tmp_path, gpt2_dir):

@@ -167,8 +167,8 @@ def _saved_in_place(model: HeadedModel, root: Path, previous: Any) -> dict[str, 
     very folder of this checkpoint and is unchanged: saving heads back keeps it."""
     src = model.source
     bb = previous.get("backbone") if isinstance(previous, dict) else None
-    if src is None or src.saved_in is None or not isinstance(bb, dict):
-        return None
+    if src is None or src.saved_in is None or src.dtype is not None or not isinstance(bb, dict):
+        return None  # (loaded in another dtype than its files hold: write it as it is now)
     if bb.get("kind") != "saved" or bb.get("path") != Path(src.source).name:
         return None
     try:
