@@ -185,8 +185,8 @@ def _hub_folder(repo_id: str, kwargs: dict[str, str]) -> Path | None:
         return None
     if not isinstance(found, str):
         return None
-    folder = Path(found).parent
-    return folder.parent if kwargs.get("subfolder") else folder
+    depth = len(Path(kwargs["subfolder"]).parts) if kwargs.get("subfolder") else 0
+    return Path(found).parents[depth]  # the snapshot folder, above the subfolder
 
 
 # ---------------------------------------------------------------------- portable sources
@@ -202,7 +202,9 @@ def portable_source(source: str, checkpoint_root: Path) -> str | dict[str, str]:
     if package is not None:
         return package
     root = checkpoint_root.resolve()
-    if path.is_relative_to(root.parent):
+    if path.is_relative_to(root) or (
+        root.parent != root.parent.parent and path.is_relative_to(root.parent)
+    ):
         return {"checkpoint": Path(os.path.relpath(path, root)).as_posix()}
     return str(path)
 
