@@ -9,10 +9,11 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from .checkpoint import read_checkpoint, restore
+from .checkpoint.paths import is_checkpoint
 from .config import HeadConfig
 from .errors import ConfigError
 from .model import HeadedModel
-from .source import BackboneSource, load_backbone, source_of
+from .source import BackboneSource, load_backbone, requested_dtype, source_of
 from .st import is_sentence_transformer, transformer_folder, transformers_model_of
 
 
@@ -38,11 +39,30 @@ def load_headed(
     holds one, its fine-tuned backbone weights), through the same path as
     ``HeadedModel.from_pretrained``; its head configs are used when ``head_configs`` is None.
     ``freeze_base_model`` freezes the backbone; heads train according to ``trainable``.
+    A headkit checkpoint folder given as ``model`` without head configs is restored as
+    ``HeadedModel.from_pretrained`` does. ``dtype=`` (transformers 5) and ``torch_dtype=``
+    are the same option; ``"auto"`` is recorded as the dtype it resolved to.
     """
     if isinstance(model_name, (list, tuple)):
         if head_configs is not None:
             raise ConfigError("head_configs given twice (positionally and by keyword)")
         head_configs, model_name = model_name, None
+    torch_dtype = requested_dtype(torch_dtype, from_pretrained_kwargs)
+    if (
+        head_configs is None
+        and head_folder_path is None
+        and isinstance(model, (str, os.PathLike))
+        and is_checkpoint(model)
+    ):
+        return restore(
+            model,
+            model_cls=HeadedModel,
+            freeze_base_model=freeze_base_model,
+            only_inference=only_inference,
+            torch_dtype=torch_dtype,
+            device_map=device_map,
+            **from_pretrained_kwargs,
+        )
     ckpt = read_checkpoint(head_folder_path) if head_folder_path is not None else None
     if ckpt is not None:
         head_configs = _checkpoint_heads(ckpt.heads, head_configs, head_folder_path)

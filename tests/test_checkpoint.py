@@ -120,7 +120,8 @@ def test_frozen_unchanged_backbone_is_referenced_not_copied(tmp_path, gpt2_dir):
 
     manifest = json.loads((tmp_path / "heads_only" / "head_configs.json").read_text())
     assert manifest["backbone"]["kind"] == "reference"
-    assert manifest["backbone"]["source"] == str(gpt2_dir.resolve())
+    # recorded beside the checkpoint, relative to it, so the pair can move (issue 9)
+    assert manifest["backbone"]["source"] == {"checkpoint": "../gpt2"}
     assert not list((tmp_path / "heads_only").glob("backbone-*"))
 
     # the same model with its backbone copied is several times larger

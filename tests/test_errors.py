@@ -594,11 +594,12 @@ CHECKPOINT_CASES = [
         (r"heads-\w+\.safetensors' is corrupt or truncated", r"sha256 differs"),
     ),
     Case(
-        "truncated-weights-no-checksum",
-        "a truncated safetensors file and no checksum to compare",
+        # issue 9: a missing checksum is refused (it used to switch verification off)
+        "weights-checksum-missing",
+        "head_configs.json without weights_sha256 (even before a truncated file is read)",
         lambda p: (_no_checksum_then_truncate(p), _load(p)),
         CheckpointError,
-        (r"heads-\w+\.safetensors' cannot be read", r"incomplete metadata"),
+        (r"weights_sha256=None is invalid", r"cannot be verified and is refused"),
     ),
     Case(
         "weights-shape-mismatch",

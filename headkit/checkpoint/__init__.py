@@ -7,8 +7,11 @@ Layout of a checkpoint directory::
     backbone-<token>/              the backbone (config.json + *.safetensors), only when it
                                    was trained, modified, or has no loadable source
 
-``save_checkpoint`` writes one (``save.py``); ``restore`` is the one way to read one back
-(``restore.py``); ``read_manifest`` validates the manifest (``manifest.py``).
+``save_checkpoint`` writes one (``save.py``) holding the folder's lock (``lock.py``) and
+deleting only what it wrote (``journal.py``); ``restore`` is the one way to read one back
+(``restore.py``); ``read_manifest`` validates the manifest (``manifest.py``); ``paths.py``
+keeps names plain and files inside the folder; ``sizes.py`` is the size guard. See
+docs/checkpoints.md.
 """
 
 import os  # noqa: F401  (tests patch headkit.checkpoint.os.replace to simulate crashes)

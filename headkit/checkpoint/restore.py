@@ -21,11 +21,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..backbone import base_model_of
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
-from ..source import BackboneSource, backbone_fingerprint, load_backbone
+from ..fingerprint import is_cheap, legacy_fingerprint, tensors_fingerprint
+from ..source import BackboneSource, load_backbone, requested_dtype, resolve_source, source_of
 from .manifest import MANIFEST, read_manifest, sha256_file
+from .paths import HUB_KWARGS, check_inside, check_tree_inside, resolve_checkpoint
+from .sizes import backbone_width, check_sizes
 
 if TYPE_CHECKING:
     from ..model import HeadedModel
@@ -62,15 +64,52 @@ class Checkpoint:
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> Checkpoint:
-    """Read and verify a checkpoint without building anything (fails fast, before loading)."""
+    """Read and verify a checkpoint without building anything (fails fast, before loading).
+
+    A save committed while this reads (another process) makes it read again, up to 3 times.
+    """
     root = Path(checkpoint_dir)
+    for attempt in range(3):
+        before = _manifest_bytes(root)
+        try:
+            return _read_once(root)
+        except CheckpointError:
+            if attempt == 2 or before is None or _manifest_bytes(root) == before:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _manifest_bytes(root: Path) -> bytes | None:
+    try:
+        return (root / MANIFEST).read_bytes()
+    except OSError:
+        return None
+
+
+def _read_once(root: Path) -> Checkpoint:
     manifest = read_manifest(root)
+    check_inside(root / MANIFEST, root, "manifest")
     state = read_head_weights(root, manifest)
     ckpt = Checkpoint(root, manifest, state)
     folder = ckpt.saved_backbone
     if folder is not None:
-        _verify_backbone_files(folder, ckpt.backbone.get("files_sha256"))
+        _verify_backbone_files(root, folder, ckpt.backbone["files_sha256"])
+    check_sizes(root, manifest, state, backbone_width(_config_json(ckpt)))
     return ckpt
+
+
+def _config_json(ckpt: Checkpoint) -> Path | None:
+    """The backbone's config.json when it is on disk (read before the backbone is loaded)."""
+    if ckpt.saved_backbone is not None:
+        return ckpt.saved_backbone / "config.json"
+    bb = ckpt.backbone
+    try:
+        folder = Path(resolve_source(bb["source"], ckpt.root))
+    except CheckpointError:
+        return None
+    sub = (bb.get("kwargs") or {}).get("subfolder")
+    folder = folder / sub if sub else folder
+    return folder / "config.json" if folder.is_dir() else None
 
 
 def restore(
@@ -86,7 +125,19 @@ def restore(
 ) -> HeadedModel:
     """Restore a HeadedModel from a checkpoint: build one (``model=None``, with ``model_cls``)
     or load into ``model`` in place. The loading keywords apply only when building."""
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else read_checkpoint(checkpoint)
+    if from_pretrained_kwargs.get("trust_remote_code"):
+        raise ConfigError(
+            "trust_remote_code=True is not accepted when loading a checkpoint: headkit never "
+            "runs code from a checkpoint; load the backbone yourself and pass head_folder_path"
+        )
+    torch_dtype = requested_dtype(torch_dtype, from_pretrained_kwargs)
+    if not isinstance(checkpoint, Checkpoint):
+        if not Path(checkpoint).exists():  # a hub repo id: revision= is the checkpoint's
+            hub = {k: from_pretrained_kwargs[k] for k in HUB_KWARGS if k in from_pretrained_kwargs}
+            from_pretrained_kwargs.pop("revision", None)
+            checkpoint = resolve_checkpoint(checkpoint, hub)
+        checkpoint = read_checkpoint(checkpoint)
+    ckpt = checkpoint
     backbone_done = False
     if model is None:
         if model_cls is None:
@@ -140,20 +191,35 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
     folder = ckpt.saved_backbone
     if backbone and folder is not None:
         load_backbone_state(model.backbone, folder)
-    recorded = ckpt.backbone.get("fingerprint")
+    if folder is None:
+        _check_fingerprint(model, ckpt.backbone.get("fingerprint"))
+
+
+def _check_fingerprint(model: HeadedModel, recorded: Any) -> None:
+    """Warn when a referenced backbone differs from the one the heads were saved with."""
     source = getattr(model, "source", None)
-    if folder is None and recorded and source is not None and source.fingerprint != recorded:
+    if not isinstance(recorded, str) or not recorded or source is None:
+        return
+    if not is_cheap(recorded):  # written by an older headkit: its O(parameters) fingerprint
+        current = legacy_fingerprint(model.backbone)
+    elif recorded.startswith("tensors:"):
+        current = tensors_fingerprint(model.backbone)
+    elif str(source.fingerprint).startswith("files:"):
+        current = source.fingerprint
+    else:
+        return  # recorded from files this machine does not have: nothing to compare
+    if current != recorded:
         warnings.warn(
             f"the backbone loaded from {source.source!r} differs from the one these heads were "
             "saved with (different weights or dtype); predictions may differ",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
 # ---------------------------------------------------------------------- backbone
 def _load_backbone(
     ckpt: Checkpoint, torch_dtype: Any, device_map: Any, kwargs: dict[str, Any]
-) -> tuple[Any, BackboneSource | None]:
+) -> tuple[Any, BackboneSource]:
     bb = ckpt.backbone
     kwargs = dict(kwargs)
     folder = ckpt.saved_backbone
@@ -168,26 +234,23 @@ def _load_backbone(
                 f"{ {k: sorted(v)[:5] for k, v in problems.items()} } {info.get('error_msgs')}"
             )
         _check_finite(hf.state_dict(), str(folder))
-        return hf, None
+        return hf, source_of(hf, folder, torch_dtype, {}, saved_in=ckpt.root)
     for k, v in (bb.get("kwargs") or {}).items():
         kwargs.setdefault(k, v)
     if torch_dtype is None and bb.get("dtype"):
         torch_dtype = bb["dtype"]
-    hf = load_backbone(bb["source"], torch_dtype=torch_dtype, device_map=device_map, **kwargs)
-    recorded = {k: v for k, v in (bb.get("kwargs") or {}).items()}
-    fingerprint = backbone_fingerprint(base_model_of(hf))
-    source = BackboneSource(bb["source"], recorded, bb.get("dtype"), fingerprint)
-    return hf, source
+    where = resolve_source(bb["source"], ckpt.root)
+    hf = load_backbone(where, torch_dtype=torch_dtype, device_map=device_map, **kwargs)
+    return hf, source_of(hf, where, torch_dtype, kwargs)
 
 
-def _verify_backbone_files(folder: Path, checksums: dict[str, str] | None) -> None:
+def _verify_backbone_files(root: Path, folder: Path, checksums: dict[str, str]) -> None:
     if not folder.is_dir():
         raise CheckpointError(f"backbone folder {folder.name!r} named in {MANIFEST} is missing")
+    check_tree_inside(folder, root, "backbone folder")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"backbone folder {str(folder)!r} has no safetensors file")
-    if checksums is None:  # written before checksums were recorded
-        return
     names = sorted(f.name for f in files)
     if names != sorted(checksums):
         raise CheckpointError(
@@ -231,33 +294,16 @@ def _tied_to_loaded(key: str, own: dict[str, torch.Tensor], state: dict[str, Any
 # ---------------------------------------------------------------------- heads
 def read_head_weights(checkpoint_dir: str | os.PathLike, manifest: dict) -> dict[str, torch.Tensor]:
     """Load the heads' safetensors file named by the manifest, checking its checksum."""
-    path = Path(checkpoint_dir) / manifest["weights"]
+    root = Path(checkpoint_dir)
+    path = root / manifest["weights"]
     if not path.is_file():
         raise CheckpointError(f"weights file {str(path)!r} named in {MANIFEST} is missing")
-    expected = manifest.get("weights_sha256")
-    if expected and sha256_file(path) != expected:
+    check_inside(path, root, "weights file")
+    if sha256_file(path) != manifest["weights_sha256"]:
         raise CheckpointError(
             f"weights file {str(path)!r} is corrupt or truncated (sha256 differs from {MANIFEST})"
         )
-    state = _load_safetensors(path, "weights file")
-    # Sizes come from the manifest: refuse ones far beyond what the file holds before anything
-    # is built from them (a corrupt num_layers or num_outputs must not allocate gigabytes or
-    # hang); small mismatches are reported tensor by tensor by load_head_weights.
-    have = sum(t.numel() for t in state.values())
-    need = sum(_min_head_numel(c) for c in manifest["heads"] if isinstance(c, HeadConfig))
-    if need > 2 * have + (1 << 20):
-        raise CheckpointError(
-            f"{MANIFEST} in {str(checkpoint_dir)!r} describes heads with at least {need} "
-            f"parameters, but {manifest['weights']!r} holds {have} values: they do not match"
-        )
-    return state
-
-
-def _min_head_numel(cfg: HeadConfig) -> int:
-    """A lower bound on a head's parameter count from its config alone (no allocation)."""
-    n_in, n_out, n = cfg.in_size or 1, cfg.num_outputs or 1, cfg.num_layers
-    hidden = cfg.hidden_size
-    return n_in * n_out if n == 1 else n_in * hidden + (n - 2) * hidden * hidden + hidden * n_out
+    return _load_safetensors(path, "weights file")
 
 
 def load_head_weights(model: HeadedModel, state: dict[str, torch.Tensor], where: str) -> None:
@@ -273,7 +319,19 @@ def load_head_weights(model: HeadedModel, state: dict[str, torch.Tensor], where:
     _check_tensors(own, state, where)
     with torch.no_grad():
         for k, v in state.items():
-            own[k].copy_(v.to(own[k].device, own[k].dtype))
+            target = _live_tensor(model, k)
+            if target.is_floating_point() and v.dtype != target.dtype:
+                target.data = v.to(target.device)  # a bf16/fp16 head comes back as saved
+            else:
+                target.copy_(v.to(target.device, target.dtype))
+
+
+def _live_tensor(model: torch.nn.Module, key: str) -> torch.Tensor:
+    """The parameter or buffer ``key`` names (not a detached copy from a state dict)."""
+    try:
+        return model.get_parameter(key)
+    except AttributeError:
+        return model.get_buffer(key)
 
 
 def _check_tensors(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str):

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint.paths import MAX_NAME, check_inside, plain_name
 from ..errors import BatchError, CheckpointError, ConfigError
 from ..losses import IGNORE_INDEX
 
@@ -150,8 +151,10 @@ class CachedFeatures:
             )
         try:
             manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from None
+        if not isinstance(manifest, dict):
+            raise CheckpointError(f"{manifest_path}: must hold a JSON object")
         if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
             raise CheckpointError(
                 f"{manifest_path}: format={manifest.get('format')!r} "
@@ -172,19 +175,16 @@ def _open_array(folder: Path, name: str, spec: Any) -> torch.Tensor:
     if not isinstance(spec, dict):
         raise CheckpointError(f"{where}: array {name!r} is {spec!r}; expected an object")
     file_name, shape, dtype_name = spec.get("file"), spec.get("shape"), spec.get("dtype")
-    if (
-        not isinstance(file_name, str)
-        or not file_name
-        or file_name != Path(file_name).name
-        or file_name in (".", "..")
-    ):
+    if not plain_name(file_name) or file_name == MANIFEST:
+        shown = repr(file_name) if len(repr(file_name)) <= 80 else repr(file_name)[:77] + "..."
         raise CheckpointError(
-            f"{where}: array {name!r} names file {file_name!r}; allowed: a plain file name "
-            "inside the cache folder"
+            f"{where}: array {name!r} names file {shown}; allowed: a plain file name (at most "
+            f"{MAX_NAME} bytes) inside the cache folder"
         )
     file = folder / file_name
-    if file.is_symlink() or (file.exists() and file.resolve().parent != folder.resolve()):
-        raise CheckpointError(f"{where}: {file_name!r} leads outside the cache folder")
+    if file.is_symlink():
+        raise CheckpointError(f"{where}: {file_name!r} is a symlink; cache files must be plain")
+    check_inside(file, folder, f"{where}: array file")
     if not isinstance(shape, list) or not all(
         isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**62 for n in shape
     ):
