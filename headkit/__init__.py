@@ -12,6 +12,7 @@ from .features import (
 )
 from .heads import HEADS, Head, MLPHead
 from .loading import load_headed
+from .lora import create_headed_qlora, load_lora_with_heads, merge_and_unload
 from .losses import LOSSES, LossSpec
 from .metrics import HeadwiseMetrics, evaluate_head_wise
 from .model import HeadedModel, HeadedModelOutput
@@ -44,8 +45,11 @@ __all__ = [
     "PoolingStrategy",
     "SequencePooling",
     "cache_features",
+    "create_headed_qlora",
     "evaluate_head_wise",
     "load_headed",
+    "load_lora_with_heads",
+    "merge_and_unload",
     "predict_on_features",
     "train_heads_on_features",
 ]

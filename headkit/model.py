@@ -20,6 +20,13 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .adapter_layers import (
+    adopt_adapters,
+    freeze_base,
+    keep_heads_in_adapter,
+    merge_adapters,
+    unwrap_peft_model,
+)
 from .backbone import BackboneInfo, base_model_of, inspect_backbone
 from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
@@ -64,6 +71,11 @@ class HeadedModel(nn.Module):
     modified (only frozen, and then put in eval mode, if asked), so peft and generation
     utilities can wrap it.
 
+    LoRA: ``model`` may be a ``PeftModel`` or a model with peft adapters injected (see
+    ``headkit.lora``); the adapted bare transformer becomes the backbone, and
+    ``freeze_base_model=True`` freezes everything *except* the adapters, which stay
+    trainable. Checkpoints then hold the adapter, not the backbone.
+
     Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
     not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
     ``layers_path`` names the block stack when inspection cannot find it; ``source`` records
@@ -90,6 +102,7 @@ class HeadedModel(nn.Module):
         source: BackboneSource | None = None,
     ) -> None:
         super().__init__()
+        model = unwrap_peft_model(model)  # a PeftModel: its adapted model (adapters injected)
         if not isinstance(model, PreTrainedModel):
             raise ConfigError(
                 f"model must be a transformers PreTrainedModel, got {type(model).__name__}"
@@ -97,6 +110,7 @@ class HeadedModel(nn.Module):
         if nonfinite_loss not in ("raise", "skip"):
             raise ConfigError(f"nonfinite_loss={nonfinite_loss!r} is invalid; 'raise' or 'skip'")
         self.backbone: PreTrainedModel = base_model_of(model)
+        adopt_adapters(model, self.backbone)  # adapters only inside the backbone
         self.info: BackboneInfo = inspect_backbone(self.backbone, layers_path)
         self.layers_path = layers_path
         self.source = source
@@ -121,7 +135,7 @@ class HeadedModel(nn.Module):
         if model is not self.backbone:
             self._init_lm_head(model)
         if freeze_base_model:
-            self.backbone.requires_grad_(False)
+            freeze_base(self.backbone)  # LoRA adapters, if any, stay trainable
             self.backbone.eval()  # no dropout noise in features nothing learns from
         self.set_loss_weighting(loss_weighting)
         # ``model.forward`` advertises the heads' targets (see _ForwardWithTargets).
@@ -221,6 +235,30 @@ class HeadedModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return _device_of(self.backbone)
+
+    @property
+    def peft_config(self) -> dict:
+        """Set by peft when it wraps this model (``get_peft_model(headed_model, config)``);
+        setting it keeps every head and the loss weighting trainable and in the saved adapter."""
+        try:
+            return self.__dict__["peft_config"]
+        except KeyError:
+            raise AttributeError("peft_config") from None
+
+    @peft_config.setter
+    def peft_config(self, configs: dict) -> None:
+        keep_heads_in_adapter(self, configs)
+        self.__dict__["peft_config"] = configs
+
+    @peft_config.deleter
+    def peft_config(self) -> None:
+        self.__dict__.pop("peft_config", None)
+
+    def merge_and_unload(self) -> HeadedModel:
+        """Merge the backbone's LoRA adapters into its weights and remove them, in place: a
+        plain HeadedModel with the same predictions (its checkpoints then copy the backbone)."""
+        merge_adapters(self)
+        return self
 
     def hooked_layers(self) -> dict[str, int]:
         """Each head's resolved index into hidden_states (0..num_layers)."""

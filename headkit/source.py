@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,10 +48,11 @@ def dtype_name(dtype: Any) -> str | None:
     return str(dtype).removeprefix("torch.")
 
 
-def backbone_fingerprint(model: torch.nn.Module) -> str:
-    """A cheap digest of every backbone tensor (names, shapes, dtypes, sums)."""
+def backbone_fingerprint(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
+    """A cheap digest of every backbone tensor (names, shapes, dtypes, sums); of a module or
+    of a state dict."""
     h = hashlib.sha256()
-    items = list(model.state_dict().items())
+    items = list((model if isinstance(model, Mapping) else model.state_dict()).items())
     with torch.no_grad():
         # float64 accumulation without float64 copies of the (possibly huge) tensors
         sums = [t.detach().sum(dtype=torch.float64) for _, t in items]

@@ -21,7 +21,8 @@ from ..source import RECORDED_KWARGS
 
 MANIFEST = "head_configs.json"
 FORMAT = "headkit"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this version reads and writes: 2 adds a LoRA adapter
+PLAIN_FORMAT_VERSION = 1  # checkpoints without an adapter, readable by earlier versions
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 

@@ -21,10 +21,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from ..adapter_layers import base_state_dict
 from ..backbone import base_model_of
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
 from ..source import BackboneSource, backbone_fingerprint, load_backbone
+from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
 from .manifest import MANIFEST, read_manifest, sha256_file
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ def read_checkpoint(checkpoint_dir: str | os.PathLike) -> Checkpoint:
     folder = ckpt.saved_backbone
     if folder is not None:
         _verify_backbone_files(folder, ckpt.backbone.get("files_sha256"))
+    verify_adapter_files(root, manifest)
     return ckpt
 
 
@@ -91,7 +94,9 @@ def restore(
     if model is None:
         if model_cls is None:
             raise ConfigError("restore(model=None) needs model_cls to build the model")
-        backbone, source = _load_backbone(ckpt, torch_dtype, device_map, from_pretrained_kwargs)
+        kwargs, device_map = backbone_load_kwargs(ckpt, from_pretrained_kwargs, device_map)
+        backbone, source = _load_backbone(ckpt, torch_dtype, device_map, kwargs)
+        load_adapter(base_model_of(backbone), ckpt, trainable=not only_inference)
         model = model_cls(
             backbone,
             ckpt.heads,
@@ -140,6 +145,8 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
     folder = ckpt.saved_backbone
     if backbone and folder is not None:
         load_backbone_state(model.backbone, folder)
+    if backbone:
+        load_adapter(model.backbone, ckpt)  # strict: a LoRA adapter, or none on either side
     recorded = ckpt.backbone.get("fingerprint")
     source = getattr(model, "source", None)
     if folder is None and recorded and source is not None and source.fingerprint != recorded:
@@ -206,7 +213,7 @@ def load_backbone_state(backbone: torch.nn.Module, folder: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         state.update(_load_safetensors(f, "backbone weights"))
-    own = backbone.state_dict()
+    own = base_state_dict(backbone)  # LoRA adapters are restored on their own
     unexpected = sorted(set(state) - set(own))
     missing = [k for k in own if k not in state and not _tied_to_loaded(k, own, state)]
     if unexpected or missing:

@@ -17,22 +17,33 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors.torch import save_file
 
+from ..adapter_layers import base_parameters, base_state_dict, has_adapters
 from ..errors import CheckpointError
 from ..source import backbone_fingerprint
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, fsync_dir, fsync_file, sha256_file
+from .adapters import quantization_entry, write_adapter
+from .manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PLAIN_FORMAT_VERSION,
+    fsync_dir,
+    fsync_file,
+    sha256_file,
+)
 
 if TYPE_CHECKING:
     from ..model import HeadedModel
 
 
 def backbone_is_referable(model: HeadedModel) -> bool:
-    """A frozen backbone, unchanged since it was loaded from a recorded source."""
+    """A frozen backbone, unchanged since it was loaded from a recorded source (LoRA adapters
+    left out: they are saved on their own)."""
     src = model.source
     if src is None or not src.fingerprint:
         return False
-    if any(p.requires_grad for p in model.backbone.parameters()):
+    if any(p.requires_grad for p in base_parameters(model.backbone)):
         return False
-    return backbone_fingerprint(model.backbone) == src.fingerprint
+    return backbone_fingerprint(base_state_dict(model.backbone)) == src.fingerprint
 
 
 def save_checkpoint(
@@ -47,6 +58,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex[:12]
     weights_name = _write_heads(model, root, token)
+    adapter = write_adapter(model, root, token)  # the backbone's LoRA adapter, if it has one
     referable = backbone_is_referable(model)
     if save_backbone is None:
         save_backbone = not referable
@@ -67,9 +79,12 @@ def save_checkpoint(
         backbone_entry = {"kind": "reference", **model.source.to_manifest()}
         backbone_entry["fingerprint"] = model.source.fingerprint
     backbone_entry["class"] = type(model.backbone).__name__
+    quantization = quantization_entry(model.backbone)
+    if quantization and backbone_entry["kind"] == "reference":
+        backbone_entry["quantization"] = quantization  # a 4-bit base reloads 4-bit
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if adapter else PLAIN_FORMAT_VERSION,
         "heads": [c.to_dict() for c in model.head_configs.values()],
         "weights": weights_name,
         "weights_sha256": sha256_file(root / weights_name),
@@ -79,10 +94,13 @@ def save_checkpoint(
     }
     if model.layers_path is not None:
         manifest["layers_path"] = model.layers_path
+    if adapter is not None:
+        manifest["adapter"] = adapter
     _commit(root, manifest, token)
-    keep = {MANIFEST, weights_name, backbone_entry.get("path")}
+    keep = {MANIFEST, weights_name, backbone_entry.get("path"), adapter and adapter["path"]}
     for p in root.iterdir():
-        stale = p.name.startswith(("heads-", "backbone-", ".tmp-")) and p.name not in keep
+        stale = p.name.startswith(("heads-", "backbone-", "adapter-", ".tmp-"))
+        stale = stale and p.name not in keep
         if stale:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return root
@@ -102,7 +120,9 @@ def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
 def _write_backbone(model: HeadedModel, root: Path, token: str) -> dict[str, Any]:
     name = f"backbone-{token}"
     tmp = root / f".tmp-{name}"
-    model.backbone.save_pretrained(tmp, safe_serialization=True)
+    # a LoRA backbone is saved as it was before peft (its adapter is saved on its own)
+    base = base_state_dict(model.backbone) if has_adapters(model.backbone) else None
+    model.backbone.save_pretrained(tmp, safe_serialization=True, state_dict=base)
     checksums = {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}
     os.replace(tmp, root / name)
     return {"kind": "saved", "path": name, "files_sha256": checksums, "fingerprint": None}
