@@ -53,6 +53,18 @@ def has_adapters(module: nn.Module) -> bool:
     return bool(adapter_modules(module))
 
 
+def adapter_names(module: nn.Module) -> set[str]:
+    """The names of the adapters the layers of ``module`` hold (whatever ``peft_config`` says)."""
+    names: set[str] = set()
+    for layer in adapter_modules(module).values():
+        if hasattr(layer, "base_layer"):
+            for attr in layer.adapter_layer_names:
+                names.update(getattr(layer, attr, {}).keys())
+        else:
+            names.update(getattr(layer, "modules_to_save", {}).keys())
+    return names
+
+
 def _inner_name(layer: nn.Module) -> str:
     """Where an adapter layer keeps the module it replaced."""
     return "base_layer" if hasattr(layer, "base_layer") else "original_module"

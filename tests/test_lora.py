@@ -219,6 +219,18 @@ def test_gradient_checkpointing_gives_the_same_gradients(base_dirs):
         torch.testing.assert_close(checkpointed[name], g, rtol=1e-5, atol=1e-7)
 
 
+def test_lora_refuses_what_would_adapt_nothing_or_drop_a_setting(base_dirs):
+    embeddings = [HeadConfig("emb", layer_hook=0, num_outputs=2)]
+    with pytest.raises(ConfigError, match=r"no linear layer of the backbone runs before"):
+        create(base_dirs["gpt2"], head_configs=embeddings)
+    with pytest.raises(ConfigError, match=r"modules_to_save=\['cls'\]: \['cls'\] name no module"):
+        create_headed_qlora(
+            base_dirs["gpt2"],
+            lora_config=LoraConfig(modules_to_save=["cls"], **LORA),
+            head_configs=heads(),
+        )
+
+
 # ---------------------------------------------------------------------- the routes of the issue
 def _peft_gpt2() -> Any:
     torch.manual_seed(0)
@@ -304,6 +316,16 @@ def test_peft_task_types_that_cannot_drive_a_headed_model_are_refused():
         get_peft_model(headed, cfg)
 
 
+def test_prompt_learning_is_refused_with_what_headkit_takes():
+    from peft import PromptTuningConfig
+
+    prompt = get_peft_model(
+        build_tiny("gpt2"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    )
+    with pytest.raises(ConfigError, match=r"prompt-learning method.*such as LoRA"):
+        HeadedModel(prompt, heads())
+
+
 def test_adapters_outside_the_backbone_are_refused():
     torch.manual_seed(0)
     task = get_peft_model(build_tiny("gpt2"), LoraConfig(target_modules=["c_attn", "lm_head"]))
@@ -368,7 +390,7 @@ ADAPTER_CASES = {
     ),
     "adapter-tensor-nan": (
         lambda c: _rewrite_adapter(c, lambda s: s[_first_key(s)].fill_(float("nan"))),
-        r"tensor 'h\.0\.attn\.c_attn\.lora_A\.weight' of dtype torch\.float32 is not finite",
+        r"adapter tensor 'h\.0\.attn\.c_attn\.lora_A\.weight' holds NaN or infinite values",
     ),
     "adapter-file-corrupt": (
         lambda c: next(c.glob("adapter-*/adapter_model.safetensors")).write_bytes(b"garbage"),
@@ -399,6 +421,46 @@ def test_a_bad_adapter_is_a_checkpoint_error(case, lora_ckpt):
     spoil(lora_ckpt)
     with pytest.raises(CheckpointError, match=pattern):
         HeadedModel.from_pretrained(lora_ckpt)
+
+
+def _edit_manifest(ckpt: Path, edit) -> None:
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    edit(manifest)
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+
+
+MANIFEST_CASES = {
+    "adapter-path-escapes": (
+        lambda m: m["adapter"].update(path="../elsewhere"),
+        CheckpointError,
+        r"adapter\.path='\.\./elsewhere' is invalid; the name of an 'adapter-\*' folder",
+    ),
+    "quantization-not-an-object": (
+        lambda m: m["backbone"].update(quantization="4bit"),
+        CheckpointError,
+        r"backbone\.quantization='4bit' is invalid; a bitsandbytes config",
+    ),
+    "quantization-not-bitsandbytes": (
+        lambda m: m["backbone"].update(quantization={"quant_method": "gptq", "bits": 4}),
+        CheckpointError,
+        r"backbone\.quantization=\{'quant_method': 'gptq', 'bits': 4\} is invalid",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MANIFEST_CASES))
+def test_a_bad_adapter_or_quantization_entry_is_refused(case, lora_ckpt):
+    edit, error, pattern = MANIFEST_CASES[case]
+    _edit_manifest(lora_ckpt, edit)
+    with pytest.raises(error, match=pattern):
+        HeadedModel.from_pretrained(lora_ckpt)
+
+
+def test_a_backbone_with_two_adapters_cannot_be_saved_as_one(base_dirs, tmp_path):
+    model = create(base_dirs["gpt2"])
+    inject_adapter_in_model(LoraConfig(target_modules=["c_attn"], **LORA), model.backbone, "two")
+    with pytest.raises(CheckpointError, match=r"carries adapters \['default', 'two'\]"):
+        model.save_pretrained(tmp_path / "ckpt")
 
 
 def test_a_checkpoint_without_adapter_cannot_load_into_a_lora_model(base_dirs, tmp_path):

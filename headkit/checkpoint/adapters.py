@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..adapter_layers import adapter_modules, has_adapters, inject_adapter, split_names
+from ..adapter_layers import (
+    adapter_modules,
+    adapter_names,
+    has_adapters,
+    inject_adapter,
+    split_names,
+)
 from ..errors import CheckpointError, ConfigError
 from .manifest import MANIFEST, fsync_file, sha256_file
 
@@ -49,10 +55,12 @@ def write_adapter(model: HeadedModel, root: Path, token: str) -> dict[str, Any] 
     from peft import get_peft_model_state_dict
 
     configs = backbone.__dict__.get("peft_config") or {}
-    if len(configs) != 1:
+    names = sorted(adapter_names(backbone))
+    if len(names) != 1 or names != sorted(configs):
         raise CheckpointError(
-            f"the backbone carries adapters {sorted(configs)}; a headkit checkpoint holds one "
-            "LoRA adapter: delete the others (delete_adapter) or merge them first"
+            f"the backbone carries adapters {names} (peft configs for {sorted(configs)}); a "
+            "headkit checkpoint holds one LoRA adapter: delete the others (delete_adapter) "
+            "or merge them first"
         )
     ((name, config),) = configs.items()
     source = model.source.source if model.source is not None else None
@@ -145,7 +153,7 @@ def load_adapter(backbone: torch.nn.Module, ckpt: Any, *, trainable: bool = True
     when the backbone has none yet, then every adapter tensor is checked and read back."""
     entry = ckpt.manifest.get("adapter")
     where = str(ckpt.root)
-    own = sorted(backbone.__dict__.get("peft_config") or {}) if has_adapters(backbone) else []
+    own = sorted(adapter_names(backbone))
     if entry is None:
         if own:
             raise CheckpointError(
@@ -213,10 +221,13 @@ def _load_state(backbone: torch.nn.Module, state: dict, name: str, where: str) -
                 f"{where}: adapter tensor {k!r} has shape {tuple(v.shape)}, but the model's is "
                 f"{tuple(expected[k].shape)}"
             )
-        if not v.is_floating_point() or not bool(torch.isfinite(v).all()):
+        if not v.is_floating_point():
             raise CheckpointError(
-                f"{where}: adapter tensor {k!r} of dtype {v.dtype} is not finite floating point"
+                f"{where}: adapter tensor {k!r} has dtype {v.dtype}; a floating-point dtype is "
+                "expected"
             )
+        if not bool(torch.isfinite(v).all()):
+            raise CheckpointError(f"{where}: adapter tensor {k!r} holds NaN or infinite values")
     result = set_peft_model_state_dict(backbone, state, adapter_name=name)
     _, adapter_keys = split_names(backbone, list(backbone.state_dict()))
     missing = sorted(k for k in result.missing_keys if k in adapter_keys)
