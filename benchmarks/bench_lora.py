@@ -102,7 +102,7 @@ def scenarios(base: Path) -> tuple[dict[str, Callable[[], float]], dict[str, int
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(loss)
+            return float(loss.detach())
 
         return one
 
@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--min-clean", type=int, default=10, help="clean rounds needed to drop loaded ones")
+    ap.add_argument(
+        "--min-clean", type=int, default=10, help="clean rounds needed to drop loaded ones"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -175,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
         "last_over_peft": med["last"] / med["peft"],
         "layer2_over_peft": med["layer2"] / med["peft"],
         "layer2_over_last": med["layer2"] / med["last"],
+        # the same ratios taken within each round (paired: robust to load drifting across rounds)
+        "paired_last_over_peft": statistics.median(r["last"] / r["peft"] for r in used),
+        "paired_layer2_over_peft": statistics.median(r["layer2"] / r["peft"] for r in used),
         "goals": {"last_over_peft": 1.05, "layer2_over_peft": 0.3},
         "rounds_used": len(used),
         "rounds_clean": len(clean),

@@ -28,7 +28,7 @@ HEADED_TASK_TYPES = (None, "FEATURE_EXTRACTION")
 
 def _peft_classes() -> tuple[type, type] | None:
     """(BaseTunerLayer, AuxiliaryTrainingWrapper) when peft is imported, else None."""
-    if "peft" not in sys.modules:
+    if sys.modules.get("peft") is None:
         return None
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
@@ -146,7 +146,7 @@ def adapter_configs(model: nn.Module, backbone: nn.Module) -> dict[str, Any] | N
 
 def unwrap_peft_model(model: Any) -> Any:
     """A ``PeftModel``'s adapted model (its adapters stay injected); anything else unchanged."""
-    if "peft" not in sys.modules:
+    if sys.modules.get("peft") is None:
         return model
     from peft import PeftModel
 

@@ -68,7 +68,7 @@ def create_headed_qlora(
             raise ConfigError("head_configs given twice (positionally and by keyword)")
         head_configs, model_name_or_path = model_name_or_path, None
     if head_configs is None:
-        raise ConfigError("create_headed_qlora needs head_configs")
+        raise ConfigError("create_headed_qlora: head_configs=None is invalid; a list of HeadConfig")
     _check_source(base_model_class_or_path, model_name_or_path, "create_headed_qlora")
     require_quantization_support(quantization_config)  # before anything is loaded
     peft = _import_peft()
@@ -156,10 +156,13 @@ def _all_conv1d(backbone: nn.Module, names: list[str]) -> bool:
 def enable_gradient_checkpointing(model: HeadedModel) -> None:
     """Recompute the backbone's blocks in the backward pass (non-reentrant, so gradients reach
     LoRA weights in the deepest hooked block even when the forward stops there)."""
-    model.backbone.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False}
-    )
-    model.backbone.enable_input_require_grads()
+    backbone = model.backbone
+    kwargs = {"use_reentrant": False}
+    if hasattr(backbone, "activation_checkpointing_enable"):  # its name since transformers 5.x
+        backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    backbone.enable_input_require_grads()
 
 
 def load_lora_with_heads(

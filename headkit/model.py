@@ -411,8 +411,8 @@ class HeadedModel(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
-        """Atomically write head_configs.json, the heads (safetensors) and, unless frozen
-        and unchanged since loading, the backbone."""
+        """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
+        backbone carries one, and, unless frozen and unchanged since loading, the backbone."""
         save_checkpoint(self, save_directory, **kwargs)
 
     @classmethod

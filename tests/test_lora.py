@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(base_dirs):
         model.train()
         model(input_ids=IDS, attention_mask=MASK, **LABELS).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
-    assert model.backbone.is_gradient_checkpointing
+    assert model.backbone.layers[0].gradient_checkpointing
     plain, checkpointed = grads
     assert plain.keys() == checkpointed.keys() and any(".lora_A" in n for n in plain)
     for name, g in plain.items():
@@ -229,6 +230,45 @@ def test_lora_refuses_what_would_adapt_nothing_or_drop_a_setting(base_dirs):
             lora_config=LoraConfig(modules_to_save=["cls"], **LORA),
             head_configs=heads(),
         )
+
+
+CALL_CASES = {
+    "no-head-configs": (
+        lambda d: create_headed_qlora(d["gpt2"], lora_config=LoraConfig(**LORA)),
+        r"head_configs=None is invalid; a list of HeadConfig",
+    ),
+    "class-without-path": (
+        lambda d: create_headed_qlora(LlamaForCausalLM, head_configs=heads()),
+        r"create_headed_qlora\(LlamaForCausalLM, \.\.\.\) needs the model path or id next",
+    ),
+    "two-paths": (
+        lambda d: create_headed_qlora(d["gpt2"], d["llama"], head_configs=heads()),
+        r"give a model class and a path, or a path",
+    ),
+    "target-not-found": (
+        lambda d: create_headed_qlora(
+            d["gpt2"], lora_config=LoraConfig(target_modules=["q_proj"]), head_configs=heads()
+        ),
+        r"lora_config does not fit the backbone: Target modules \{'q_proj'\} not found",
+    ),
+    "load-two-paths": (
+        lambda d: load_lora_with_heads(d["gpt2"], d["llama"]),
+        r"give the checkpoint path once \(a model class may come first\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CALL_CASES))
+def test_a_wrong_call_is_a_config_error(case, base_dirs):
+    call, pattern = CALL_CASES[case]
+    with pytest.raises(ConfigError, match=pattern):
+        call(base_dirs)
+
+
+def test_lora_without_peft_says_what_to_install(base_dirs, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if peft were not installed
+    with pytest.raises(ConfigError, match=r"LoRA needs the peft package: pip install"):
+        create_headed_qlora(base_dirs["gpt2"], head_configs=heads())
 
 
 # ---------------------------------------------------------------------- the routes of the issue
