@@ -13,7 +13,9 @@ shared BENCHMARKING.md. A tiny randomly initialised 12-layer Llama (hidden 256, 
 
 Goals: last / peft <= 1.05; layer2 / peft (the full step) <= 0.3. Each round (one step of
 each scenario) is checked for other processes' CPU load (/proc/stat); rounds over 0.2 cores
-are left out of the medians when enough clean rounds remain.
+are left out of the medians when enough clean rounds remain; ``paired_*`` are the medians of
+the per-round ratios. Cross-check: the same steps on one thread, CPU seconds per step, which
+other processes' load hardly moves (on two threads, waiting threads spin and it would).
 
 Run: make bench, or
   MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \\
@@ -144,6 +146,19 @@ def time_rounds(runs: dict[str, Callable[[], float]], warmup: int, rounds: int) 
     return out
 
 
+def cpu_one_thread(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Median CPU seconds per step on one thread, the scenarios alternated."""
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    for i in range(rounds + 2):  # two warm-up rounds at the new thread count
+        for name, fn in runs.items():
+            c = time.process_time()
+            fn()
+            if i >= 2:
+                times[name].append(time.process_time() - c)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warmup", type=int, default=5)
@@ -151,12 +166,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--min-clean", type=int, default=10, help="clean rounds needed to drop loaded ones"
     )
+    ap.add_argument("--cpu-rounds", type=int, default=6, help="1-thread CPU-time rounds")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         runs, trainable = scenarios(save_base(Path(tmp) / "llama"))
         rounds = time_rounds(runs, args.warmup, args.rounds)
+        cpu = cpu_one_thread(runs, args.cpu_rounds)
+        torch.set_num_threads(2)
     clean = [r for r in rounds if r["other_cores"] <= MAX_LOAD]
     used = clean if len(clean) >= args.min_clean else rounds
     med = {n: statistics.median(r[n] for r in used) for n in runs}
@@ -171,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
             "malloc_env": all(k in os.environ for k in MALLOC_ENV),
             "warmup": args.warmup,
             "rounds": args.rounds,
+            "argv": list(argv) if argv is not None else None,
         },
         "median_ms": {n: v * 1e3 for n, v in med.items()},
         "trainable_params": trainable,
@@ -180,6 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
         # the same ratios taken within each round (paired: robust to load drifting across rounds)
         "paired_last_over_peft": statistics.median(r["last"] / r["peft"] for r in used),
         "paired_layer2_over_peft": statistics.median(r["layer2"] / r["peft"] for r in used),
+        # one thread, CPU seconds per step: no thread waits on another, so other processes
+        # taking the cores hardly change it (the cross-check when the machine was loaded)
+        "cpu_1thread_ms": {n: v * 1e3 for n, v in cpu.items()},
+        "cpu_1thread_last_over_peft": cpu["last"] / cpu["peft"],
+        "cpu_1thread_layer2_over_peft": cpu["layer2"] / cpu["peft"],
         "goals": {"last_over_peft": 1.05, "layer2_over_peft": 0.3},
         "rounds_used": len(used),
         "rounds_clean": len(clean),

@@ -91,6 +91,10 @@ def create_headed_qlora(
         copy.deepcopy(lora_config) if lora_config is not None else peft.LoraConfig(**DEFAULT_LORA)
     )
     config.task_type = None  # the heads are the task
+    if config.layers_to_transform is not None and not config.layers_pattern:
+        # peft's default pattern needs a parent before the block list ("model.layers.3"); the
+        # backbone's names start at it ("layers.3"): name the list
+        config.layers_pattern = model.info.layers_path.rsplit(".", 1)[-1]
     if config.target_modules is None:
         config.target_modules = default_lora_targets(model)
         config.fan_in_fan_out = _all_conv1d(model.backbone, config.target_modules)

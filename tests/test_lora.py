@@ -126,6 +126,12 @@ def test_lora_targets_every_linear_of_the_blocks_that_run(arch, base_dirs):
     assert all(p.dtype == torch.float32 and p.requires_grad for p in model.heads.parameters())
 
 
+def test_layers_to_transform_counts_the_backbones_blocks(base_dirs):
+    lora = LoraConfig(target_modules=["c_attn"], layers_to_transform=[1], **LORA)
+    model = create_headed_qlora(base_dirs["gpt2"], lora_config=lora, head_configs=heads())
+    assert lora_layers(model.backbone) == {"h.1.attn.c_attn"}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gradients_reach_exactly_the_lora_weights_and_trainable_heads(arch, base_dirs):
     configs = [*heads(), HeadConfig("frozen", layer_hook=1, num_outputs=2, trainable=False)]
