@@ -13,6 +13,7 @@ from .features import (
 )
 from .heads import HEADS, Head, MLPHead
 from .loading import load_headed
+from .lora import create_headed_qlora, load_lora_with_heads, merge_and_unload
 from .losses import LOSSES, LossSpec
 from .metrics import HeadwiseMetrics, evaluate_head_wise
 from .model import HeadedModel, HeadedModelOutput
@@ -46,10 +47,13 @@ __all__ = [
     "PoolingStrategy",
     "SequencePooling",
     "cache_features",
+    "create_headed_qlora",
     "evaluate_head_wise",
     "get_model_params",
     "get_top_n_preds",
     "load_headed",
+    "load_lora_with_heads",
+    "merge_and_unload",
     "predict_on_features",
     "print_trainable_parameters",
     "to_sentence_transformer",

@@ -18,7 +18,7 @@ Two questions, two answers, both O(number of tensors or files), never O(paramete
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,14 +131,15 @@ class LoadStamp:
     of a tensor (``add_``, ``copy_``, an optimizer step, ``load_state_dict``), a replaced,
     added, removed, reshaped or re-typed tensor, or a change to any sampled element (which
     also catches most writes through ``.data``). A tensor moved to another device counts as
-    unchanged when its sampled elements are equal."""
+    unchanged when its sampled elements are equal. Either side may be a module or a mapping
+    of its tensors (e.g. a LoRA backbone's base view, under the names it had before peft)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            self._tensors = {n: _stamp(t) for n, t in module.state_dict(keep_vars=True).items()}
+            self._tensors = {n: _stamp(t) for n, t in _tensors(module).items()}
 
-    def unchanged(self, module: torch.nn.Module) -> bool:
-        now = module.state_dict(keep_vars=True)
+    def unchanged(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool:
+        now = _tensors(module)
         if now.keys() != self._tensors.keys():
             return False
         with torch.no_grad():
@@ -151,6 +152,10 @@ class LoadStamp:
                 if _sample(t) != old.sample:
                     return False
         return True
+
+
+def _tensors(module: torch.nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    return module if isinstance(module, Mapping) else module.state_dict(keep_vars=True)
 
 
 def _stamp(t: torch.Tensor) -> _TensorStamp:

@@ -15,6 +15,8 @@ itself and calls the model without them (``without_unused_labels``).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -204,3 +206,37 @@ class _KeptColumnsIterable(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         return (self.filter(x) for x in self.data)
+
+
+# ---------------------------------------------------------------------- forward signature
+class ForwardWithTargets(functools.partial):
+    """``HeadedModel.forward`` bound to one model, whose signature also lists the head targets.
+
+    Targets travel through ``**labels``; HF Trainer keeps only the dataset columns named in
+    ``inspect.signature(model.forward)`` (``remove_unused_columns``), so they are listed as
+    keyword-only parameters, read from the model's current heads at every inspection.
+    """
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        model = self.args[0]
+        sig = inspect.signature(self.func)
+        params = list(sig.parameters.values())[1:]  # drop self
+        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        taken = {p.name for p in params} | {p.name for p in var_kw}
+        targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
+        params += [_keyword(t) for t in targets if t not in taken]
+        return sig.replace(parameters=params + var_kw)
+
+
+def _keyword(name: str) -> inspect.Parameter:
+    """A keyword-only parameter named ``name``, even when it is no Python identifier
+    ("my-head", "class"): such a target is still passed as ``**{name: ...}``, and HF
+    Trainer only reads the parameter names."""
+    try:
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+    except ValueError:
+        param = inspect.Parameter("_", inspect.Parameter.KEYWORD_ONLY, default=None)
+        object.__setattr__(param, "_name", name)  # Parameter validates names, Signature not
+        return param

@@ -7,8 +7,6 @@ once per layer and shared) → heads → objective (``losses.head_loss``) → we
 
 from __future__ import annotations
 
-import functools
-import inspect
 import numbers
 import warnings
 from collections.abc import Mapping, Sequence
@@ -21,6 +19,13 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .adapter_layers import (
+    adopt_adapters,
+    freeze_base,
+    keep_heads_in_adapter,
+    merge_adapters,
+    unwrap_peft_model,
+)
 from .backbone import BackboneInfo, base_model_of, inspect_backbone
 from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
@@ -28,7 +33,7 @@ from .errors import BatchError, CheckpointError, ConfigError, NonFiniteLossError
 from .heads import Head, HeadDict, build_head, get_submodule_by_name
 from .hf import PreTrainedConveniences, hide_head_dicts_from_trainer
 from .inputs import MODEL_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
-from .labels import route_labels, unused_targets
+from .labels import ForwardWithTargets, route_labels, unused_targets
 from .losses import head_loss
 from .parallel import freeze_unreached, inside_strict_ddp, join_idle
 from .source import BackboneSource
@@ -77,6 +82,11 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
     are added to its config's ``keys_to_ignore_at_inference`` for Trainer), so peft and
     generation utilities can wrap it.
 
+    LoRA: ``model`` may be a ``PeftModel`` or a model with peft adapters injected (see
+    ``headkit.lora``); the adapted bare transformer becomes the backbone, and
+    ``freeze_base_model=True`` freezes everything *except* the adapters, which stay
+    trainable. Checkpoints then hold the adapter, not the backbone.
+
     Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
     not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
     ``layers_path`` names the block stack when inspection cannot find it; ``source`` records
@@ -111,7 +121,8 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
         max_head_parameters: int = DEFAULT_MAX_HEAD_PARAMETERS,
     ) -> None:
         super().__init__()
-        model = transformers_model_of(model)
+        model = transformers_model_of(model)  # a SentenceTransformer: its transformer
+        model = unwrap_peft_model(model)  # a PeftModel: its adapted model (adapters injected)
         if not isinstance(model, PreTrainedModel):
             raise ConfigError(
                 f"model must be a transformers PreTrainedModel, got {type(model).__name__}"
@@ -119,6 +130,7 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
         if nonfinite_loss not in ("raise", "skip"):
             raise ConfigError(f"nonfinite_loss={nonfinite_loss!r} is invalid; 'raise' or 'skip'")
         self.backbone: PreTrainedModel = base_model_of(model)
+        adopt_adapters(model, self.backbone)  # adapters only inside the backbone
         self.info: BackboneInfo = inspect_backbone(self.backbone, layers_path)
         self.layers_path = layers_path
         self.source = source
@@ -151,14 +163,14 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
         if model is not self.backbone:
             self._init_lm_head(model)
         if freeze_base_model:
-            self.backbone.requires_grad_(False)
+            freeze_base(self.backbone)  # LoRA adapters, if any, stay trainable
             self.backbone.eval()  # no dropout noise in features nothing learns from
         else:
             freeze_unreached(self)
         hide_head_dicts_from_trainer(self.backbone.config)
         self.set_loss_weighting(loss_weighting)
-        # ``model.forward`` advertises the heads' targets (see _ForwardWithTargets).
-        self.forward = _ForwardWithTargets(type(self).forward, self)
+        # ``model.forward`` advertises the heads' targets (see labels.ForwardWithTargets).
+        self.forward = ForwardWithTargets(type(self).forward, self)
 
     # ------------------------------------------------------------------ construction
     def _resolve(self, cfg: HeadConfig) -> HeadConfig:
@@ -255,6 +267,30 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
     @property
     def device(self) -> torch.device:
         return _device_of(self.backbone)
+
+    @property
+    def peft_config(self) -> dict:
+        """Set by peft when it wraps this model (``get_peft_model(headed_model, config)``);
+        setting it keeps every head and the loss weighting trainable and in the saved adapter."""
+        try:
+            return self.__dict__["peft_config"]
+        except KeyError:
+            raise AttributeError("peft_config") from None
+
+    @peft_config.setter
+    def peft_config(self, configs: dict) -> None:
+        keep_heads_in_adapter(self, configs)
+        self.__dict__["peft_config"] = configs
+
+    @peft_config.deleter
+    def peft_config(self) -> None:
+        self.__dict__.pop("peft_config", None)
+
+    def merge_and_unload(self) -> HeadedModel:
+        """Merge the backbone's LoRA adapters into its weights and remove them, in place: a
+        plain HeadedModel with the same predictions (its checkpoints then copy the backbone)."""
+        merge_adapters(self)
+        return self
 
     def hooked_layers(self) -> dict[str, int]:
         """Each head's resolved index into hidden_states (0..num_layers)."""
@@ -403,8 +439,8 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
-        """Atomically write head_configs.json, the heads (safetensors) and, unless frozen
-        and unchanged since loading, the backbone."""
+        """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
+        backbone carries one, and, unless frozen and unchanged since loading, the backbone."""
         save_checkpoint(self, save_directory, **kwargs)
 
     @classmethod
@@ -427,39 +463,6 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
         sd = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
         sd.update({f"loss_weighting.{k}": v for k, v in self.loss_weighting.state_dict().items()})
         return sd
-
-
-class _ForwardWithTargets(functools.partial):
-    """``HeadedModel.forward`` bound to one model, whose signature also lists the head targets.
-
-    Targets travel through ``**labels``; HF Trainer keeps only the dataset columns named in
-    ``inspect.signature(model.forward)`` (``remove_unused_columns``), so they are listed as
-    keyword-only parameters, read from the model's current heads at every inspection.
-    """
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        model = self.args[0]
-        sig = inspect.signature(self.func)
-        params = list(sig.parameters.values())[1:]  # drop self
-        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
-        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        taken = {p.name for p in params} | {p.name for p in var_kw}
-        targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
-        params += [_keyword(t) for t in targets if t not in taken]
-        return sig.replace(parameters=params + var_kw)
-
-
-def _keyword(name: str) -> inspect.Parameter:
-    """A keyword-only parameter named ``name``, even when it is no Python identifier
-    ("my-head", "class"): such a target is still passed as ``**{name: ...}``, and HF
-    Trainer only reads the parameter names."""
-    try:
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
-    except ValueError:
-        param = inspect.Parameter("_", inspect.Parameter.KEYWORD_ONLY, default=None)
-        object.__setattr__(param, "_name", name)  # Parameter validates names, Signature not
-        return param
 
 
 def _check_budget(value: Any) -> int | None:

@@ -652,9 +652,9 @@ CHECKPOINT_CASES = [
     Case(
         "newer-format-version",
         "a checkpoint written by a newer format version",
-        lambda p: (edit_manifest(p, lambda m: m.update(format_version=2)), _load(p)),
+        lambda p: (edit_manifest(p, lambda m: m.update(format_version=3)), _load(p)),
         CheckpointError,
-        (r"format_version=2", r"newer headkit", r"reads format_version <= 1"),
+        (r"format_version=3", r"newer headkit", r"reads format_version <= 2"),
     ),
     Case(
         "manifest-not-json",

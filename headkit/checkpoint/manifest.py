@@ -22,7 +22,8 @@ from ..source import RECORDED_KWARGS
 from .paths import MANIFEST, MAX_NAME, plain_name
 
 FORMAT = "headkit"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this version reads and writes: 2 adds a LoRA adapter
+PLAIN_FORMAT_VERSION = 1  # checkpoints without an adapter, readable by earlier versions
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

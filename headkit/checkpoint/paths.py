@@ -114,6 +114,9 @@ def owned_files(manifest: Any) -> set[str]:
     bb = manifest.get("backbone")
     if isinstance(bb, dict) and bb.get("kind") == "saved":
         names.add(bb.get("path"))
+    adapter = manifest.get("adapter")
+    if isinstance(adapter, dict):
+        names.add(adapter.get("path"))
     return {n for n in names if plain_name(n)}
 
 

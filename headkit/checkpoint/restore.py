@@ -21,10 +21,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from ..adapter_layers import base_state_dict
+from ..backbone import base_model_of
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
 from ..fingerprint import is_cheap, legacy_fingerprint, tensors_fingerprint
 from ..source import BackboneSource, load_backbone, requested_dtype, resolve_source, source_of
+from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
 from .manifest import MANIFEST, read_manifest, sha256_file
 from .paths import HUB_KWARGS, check_inside, check_tree_inside, resolve_checkpoint
 from .sizes import backbone_width, check_sizes
@@ -94,6 +97,7 @@ def _read_once(root: Path) -> Checkpoint:
     folder = ckpt.saved_backbone
     if folder is not None:
         _verify_backbone_files(root, folder, ckpt.backbone["files_sha256"])
+    verify_adapter_files(root, manifest)
     check_sizes(root, manifest, state, backbone_width(_config_json(ckpt)))
     return ckpt
 
@@ -142,7 +146,9 @@ def restore(
     if model is None:
         if model_cls is None:
             raise ConfigError("restore(model=None) needs model_cls to build the model")
-        backbone, source = _load_backbone(ckpt, torch_dtype, device_map, from_pretrained_kwargs)
+        kwargs, device_map = backbone_load_kwargs(ckpt, from_pretrained_kwargs, device_map)
+        backbone, source = _load_backbone(ckpt, torch_dtype, device_map, kwargs)
+        load_adapter(base_model_of(backbone), ckpt, trainable=not only_inference)
         model = model_cls(
             backbone,
             ckpt.heads,
@@ -191,6 +197,8 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
     folder = ckpt.saved_backbone
     if backbone and folder is not None:
         load_backbone_state(model.backbone, folder)
+    if backbone:
+        load_adapter(model.backbone, ckpt)  # strict: a LoRA adapter, or none on either side
     if folder is None:
         _check_fingerprint(model, ckpt.backbone.get("fingerprint"))
 
@@ -269,7 +277,7 @@ def load_backbone_state(backbone: torch.nn.Module, folder: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         state.update(_load_safetensors(f, "backbone weights"))
-    own = backbone.state_dict()
+    own = base_state_dict(backbone)  # LoRA adapters are restored on their own
     unexpected = sorted(set(state) - set(own))
     missing = [k for k in own if k not in state and not _tied_to_loaded(k, own, state)]
     if unexpected or missing:

@@ -23,10 +23,20 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors.torch import save_file
 
+from ..adapter_layers import base_parameters, base_state_dict, has_adapters
 from ..errors import CheckpointError, ConfigError
+from .adapters import quantization_entry, write_adapter
 from .journal import PendingSave, recover
 from .lock import folder_lock
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, fsync_dir, fsync_file, sha256_file
+from .manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PLAIN_FORMAT_VERSION,
+    fsync_dir,
+    fsync_file,
+    sha256_file,
+)
 from .paths import owned_files, read_raw
 
 if TYPE_CHECKING:
@@ -37,13 +47,15 @@ SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size")
 
 
 def backbone_is_referable(model: HeadedModel) -> bool:
-    """A frozen backbone, unchanged since it was loaded from a recorded source."""
+    """A frozen backbone, unchanged since it was loaded from a recorded source (LoRA adapters
+    left out: they are saved on their own)."""
     src = model.source
     if src is None or not src.fingerprint:
         return False
-    if any(p.requires_grad for p in model.backbone.parameters()):
+    if any(p.requires_grad for p in base_parameters(model.backbone)):
         return False
-    return src.unchanged(model.backbone)
+    backbone = model.backbone
+    return src.unchanged(base_state_dict(backbone) if has_adapters(backbone) else backbone)
 
 
 def save_checkpoint(
@@ -71,11 +83,15 @@ def save_checkpoint(
         previous = read_raw(root / MANIFEST)
         with PendingSave(root, token, _names(token), owned_files(previous)):
             weights_name = _write_heads(model, root, token)
+            adapter = write_adapter(model, root, token)  # the backbone's LoRA adapter, if any
             entry = _backbone_entry(model, root, token, previous, save_backbone, max_shard_size)
             entry["class"] = type(model.backbone).__name__
+            quantization = quantization_entry(model.backbone)
+            if quantization and entry["kind"] == "reference":
+                entry["quantization"] = quantization  # a 4-bit base reloads 4-bit
             manifest = {
                 "format": FORMAT,
-                "format_version": FORMAT_VERSION,
+                "format_version": FORMAT_VERSION if adapter else PLAIN_FORMAT_VERSION,
                 "heads": [c.to_dict() for c in model.head_configs.values()],
                 "weights": weights_name,
                 "weights_sha256": sha256_file(root / weights_name),
@@ -85,6 +101,8 @@ def save_checkpoint(
             }
             if model.layers_path is not None:
                 manifest["layers_path"] = model.layers_path
+            if adapter is not None:
+                manifest["adapter"] = adapter
             _commit(root, manifest, token)
     return root
 
@@ -122,6 +140,8 @@ def _names(token: str) -> list[str]:
         f".tmp-heads-{token}.safetensors",
         f"backbone-{token}",
         f".tmp-backbone-{token}",
+        f"adapter-{token}",
+        f".tmp-adapter-{token}",
         f".tmp-{MANIFEST}-{token}",
     ]
 
@@ -184,7 +204,8 @@ def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
     name = f"heads-{token}.safetensors"
     tmp = root / f".tmp-{name}"
     state = {k: v.detach().contiguous().cpu() for k, v in model.head_state_dict().items()}
-    save_file(state, str(tmp), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    version = str(PLAIN_FORMAT_VERSION)
+    save_file(state, str(tmp), metadata={"format": FORMAT, "format_version": version})
     os.chmod(tmp, 0o644)  # safetensors creates files readable by the owner only
     fsync_file(tmp)
     os.replace(tmp, root / name)
@@ -197,6 +218,9 @@ def _write_backbone(
     name = f"backbone-{token}"
     tmp = root / f".tmp-{name}"
     options = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    # a LoRA backbone is saved as it was before peft (its adapter is saved on its own)
+    if has_adapters(model.backbone):
+        options["state_dict"] = base_state_dict(model.backbone)
     model.backbone.save_pretrained(tmp, safe_serialization=True, **options)
     checksums = {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}
     for f in tmp.iterdir():
