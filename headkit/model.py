@@ -24,10 +24,12 @@ from .backbone import BackboneInfo, base_model_of, inspect_backbone
 from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
 from .errors import BatchError, ConfigError, NonFiniteLossError
+from .generation import HeadedGenerationMixin
 from .heads import Head, build_head
 from .inputs import MODEL_INPUTS, prepare_inputs, run_stage
 from .losses import head_loss
 from .source import BackboneSource
+from .tying import input_embedding_weight, tied_head_weights
 from .weighting import LossWeighting, build_weighting
 
 
@@ -54,15 +56,16 @@ class HeadedModelOutput(ModelOutput):
         return self.cache
 
 
-class HeadedModel(nn.Module):
+class HeadedModel(HeadedGenerationMixin, nn.Module):
     """A transformer backbone with named heads.
 
     ``model`` may be a bare transformer (``BertModel``) or a task model (``GPT2LMHeadModel``,
     ``BertForSequenceClassification``): its bare transformer becomes ``self.backbone``, and a
     head named ``lm_head`` with ``is_causal_lm=True`` starts from the task model's output
-    embeddings, so its predictions equal the original LM logits. The backbone is not
-    modified (only frozen, and then put in eval mode, if asked), so peft and generation
-    utilities can wrap it.
+    embeddings, so its predictions equal the original LM logits (a frozen one, on a frozen
+    backbone that ties them to its input embeddings, shares that matrix instead of copying
+    it). The backbone is not modified (only frozen, and then put in eval mode, if asked), so
+    peft and generation utilities can wrap it.
 
     Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
     not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
@@ -118,8 +121,11 @@ class HeadedModel(nn.Module):
         self.heads = nn.ModuleDict(
             {n: build_head(c, pooler_size, pooler).to(device) for n, c in self.head_configs.items()}
         )
+        #: ``generate``'s defaults: those of the task model (None: from the backbone's config)
+        self.generation_config = getattr(model, "generation_config", None)
         if model is not self.backbone:
-            self._init_lm_head(model)
+            frozen = freeze_base_model or not any(p.requires_grad for p in model.parameters())
+            self._init_lm_head(model, frozen)
         if freeze_base_model:
             self.backbone.requires_grad_(False)
             self.backbone.eval()  # no dropout noise in features nothing learns from
@@ -172,7 +178,9 @@ class HeadedModel(nn.Module):
                 )
 
     @torch.no_grad()
-    def _init_lm_head(self, task_model: PreTrainedModel) -> None:
+    def _init_lm_head(self, task_model: PreTrainedModel, frozen_backbone: bool) -> None:
+        """``lm_head`` starts from the task model's LM head; a frozen one of a model that ties
+        it to the input embeddings shares them (no copy), a trainable one gets a copy."""
         cfg = self.head_configs.get("lm_head")
         if cfg is None or not cfg.is_causal_lm or cfg.num_layers != 1:
             return
@@ -180,7 +188,12 @@ class HeadedModel(nn.Module):
         lin = self.heads["lm_head"].linears[0]
         if not isinstance(out, nn.Linear) or out.weight.shape != lin.weight.shape:
             return
-        lin.weight.copy_(out.weight)
+        emb = input_embedding_weight(self.backbone)
+        same_dtype = lin.bias is None or lin.bias.dtype == out.weight.dtype
+        if out.weight is emb and not cfg.trainable and frozen_backbone and same_dtype:
+            lin.weight = emb
+        else:
+            lin.weight.copy_(out.weight)
         if lin.bias is not None:
             if out.bias is not None:
                 lin.bias.copy_(out.bias)
@@ -383,8 +396,11 @@ class HeadedModel(nn.Module):
         return restore(checkpoint_dir, model_cls=cls, **kwargs)
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters and buffers headkit adds (heads and loss weighting)."""
+        """The parameters and buffers headkit adds (heads and loss weighting); a head weight
+        tied to the backbone's input embeddings is the backbone's, not listed here."""
+        tied = set(tied_head_weights(self.backbone, self.heads))
         sd = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        sd = {k: v for k, v in sd.items() if k not in tied}
         sd.update({f"loss_weighting.{k}": v for k, v in self.loss_weighting.state_dict().items()})
         return sd
 

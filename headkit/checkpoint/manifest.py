@@ -22,6 +22,8 @@ from ..source import RECORDED_KWARGS
 MANIFEST = "head_configs.json"
 FORMAT = "headkit"
 FORMAT_VERSION = 1
+#: Manifest field: head weights that are the backbone's input embeddings (not in the file).
+TIED = "tied_to_input_embeddings"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
@@ -122,6 +124,11 @@ def _check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
         raise bad("loss_weighting", weighting, 'a dict like {"name": "fixed"}')
     if manifest.get("nonfinite_loss", "raise") not in ("raise", "skip"):
         raise bad("nonfinite_loss", manifest["nonfinite_loss"], "'raise' or 'skip'")
+    tied = manifest.get(TIED, [])
+    if not isinstance(tied, list) or not all(
+        isinstance(t, str) and t.startswith("heads.") for t in tied
+    ):
+        raise bad(TIED, tied, "a list of head parameter names such as 'heads.lm_head.mlp.0.weight'")
     layers_path = manifest.get("layers_path")
     if layers_path is not None and not isinstance(layers_path, str):
         raise bad("layers_path", layers_path, "a module path such as 'model.layers' or absent")

@@ -25,7 +25,8 @@ from ..backbone import base_model_of
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
 from ..source import BackboneSource, backbone_fingerprint, load_backbone
-from .manifest import MANIFEST, read_manifest, sha256_file
+from ..tying import tie_head_weights
+from .manifest import MANIFEST, TIED, read_manifest, sha256_file
 
 if TYPE_CHECKING:
     from ..model import HeadedModel
@@ -50,6 +51,11 @@ class Checkpoint:
     @property
     def weighting(self) -> dict[str, Any]:
         return dict(self.manifest.get("loss_weighting") or {"name": "fixed"})
+
+    @property
+    def tied(self) -> list[str]:
+        """Head weights that are the backbone's input embeddings (re-tied, not in the file)."""
+        return list(self.manifest.get(TIED, []))
 
     @property
     def nonfinite_loss(self) -> str:
@@ -135,6 +141,8 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
             f"{where!r} was trained with loss_weighting={scheme!r}, but the model uses "
             f"{model.loss_weighting.name!r}"
         )
+    trainable = {n: c.trainable for n, c in model.head_configs.items()}
+    tie_head_weights(model.backbone, model.heads, ckpt.tied, trainable, where)
     load_head_weights(model, ckpt.head_state, where)
     model.nonfinite_loss = ckpt.nonfinite_loss
     folder = ckpt.saved_backbone
@@ -244,7 +252,12 @@ def read_head_weights(checkpoint_dir: str | os.PathLike, manifest: dict) -> dict
     # is built from them (a corrupt num_layers or num_outputs must not allocate gigabytes or
     # hang); small mismatches are reported tensor by tensor by load_head_weights.
     have = sum(t.numel() for t in state.values())
-    need = sum(_min_head_numel(c) for c in manifest["heads"] if isinstance(c, HeadConfig))
+    tied_heads = {t.removeprefix("heads.").split(".", 1)[0] for t in manifest.get(TIED, [])}
+    need = sum(
+        _min_head_numel(c)
+        for c in manifest["heads"]
+        if isinstance(c, HeadConfig) and c.name not in tied_heads  # its matrix is the backbone's
+    )
     if need > 2 * have + (1 << 20):
         raise CheckpointError(
             f"{MANIFEST} in {str(checkpoint_dir)!r} describes heads with at least {need} "

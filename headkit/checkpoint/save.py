@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..source import backbone_fingerprint
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, fsync_dir, fsync_file, sha256_file
+from ..tying import tied_head_weights
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, TIED, fsync_dir, fsync_file, sha256_file
 
 if TYPE_CHECKING:
     from ..model import HeadedModel
@@ -79,6 +80,9 @@ def save_checkpoint(
     }
     if model.layers_path is not None:
         manifest["layers_path"] = model.layers_path
+    tied = tied_head_weights(model.backbone, model.heads)
+    if tied:  # shared with the backbone's input embeddings: re-tied on load, never written
+        manifest[TIED] = tied
     _commit(root, manifest, token)
     keep = {MANIFEST, weights_name, backbone_entry.get("path")}
     for p in root.iterdir():
