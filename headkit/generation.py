@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import ModelOutput
 
 from .errors import BatchError, ConfigError
@@ -279,10 +280,12 @@ class _HeadedDriver:
         inputs_embeds: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Any = None,  # the cache's name before transformers 5.2x
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         headed, plan = self._headed, self.plan
+        cache = cache if cache is not None else past_key_values
         past = int(cache.get_seq_length()) if cache is not None else 0
         flags = {k: kwargs.get(k) for k in ("output_attentions", "output_hidden_states")}
         inputs = prepare_inputs(
@@ -305,9 +308,7 @@ class _HeadedDriver:
         captured, out = run_stage(headed.backbone, headed.info, inputs, layers, early)
         logits = None
         if not self.final_step:
-            hidden = captured[plan.lm_layer]
-            if logits_to_keep:
-                hidden = hidden[:, -logits_to_keep:]
+            hidden = slice_logits_to_keep(captured[plan.lm_layer], logits_to_keep)
             lm = headed.heads[plan.lm]
             logits = lm.from_features(lm.features(hidden))  # (batch, kept, vocab)
         self.recorder.record(past, input_ids, position_ids, captured, logits, headed, plan)
@@ -339,7 +340,7 @@ class _Recorder:
     so a chunked prefill or a step that generate later undoes is stitched back in order."""
 
     def __init__(self) -> None:
-        self.pending: torch.Tensor | None = None  # log-softmax of the last logits (batch, vocab)
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last logits, logsumexp
         self.logprobs: dict[int, torch.Tensor] = {}  # position → (batch,)
         self.token_outputs: dict[str, dict[int, torch.Tensor]] = {}
         self.states: dict[int, dict[int, torch.Tensor]] = {}  # layer → position → states
@@ -356,8 +357,11 @@ class _Recorder:
         plan: _Plan,
     ) -> None:
         if self.pending is not None and input_ids is not None:
-            self.logprobs[past] = self.pending.gather(-1, input_ids[:, :1]).squeeze(-1)
-        self.pending = None if logits is None else torch.log_softmax(logits[:, -1].float(), -1)
+            self.logprobs[past] = self.logprob_of(input_ids[:, :1])
+        self.pending = None
+        if logits is not None:  # log p(token) = logit - logsumexp, read once the token is known
+            last = logits[:, -1].float()  # (batch, vocab)
+            self.pending = (last, torch.logsumexp(last, -1))
         if position_ids is not None:
             self.last_position_ids = position_ids[..., -1:]
         for name, layer in plan.token_heads.items():
@@ -365,6 +369,11 @@ class _Recorder:
             self.token_outputs.setdefault(name, {})[past] = out
         for layer in set(plan.sequence_heads.values()):
             self.states.setdefault(layer, {})[past] = captured[layer]
+
+    def logprob_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, 1) tokens → (batch,) their log-probabilities under the pending logits."""
+        logits, lse = self.pending
+        return logits.gather(-1, tokens).squeeze(-1) - lse
 
 
 def _stitch(pieces: dict[int, torch.Tensor], start: int, stop: int) -> torch.Tensor:
@@ -426,7 +435,7 @@ def _finish(
             use_cache=True,
         )
     elif N > 0:  # no head needs the last token's states: only its log-probability
-        rec.logprobs[total - 1] = rec.pending.gather(-1, sequences[:, -1:]).squeeze(-1)
+        rec.logprobs[total - 1] = rec.logprob_of(sequences[:, -1:])
     generated_mask = _until_eos(sequences[:, P:], config.eos_token_id)
     prompt = prompt_mask if prompt_mask is not None else sequences.new_ones((rows, P))
     full_mask = torch.cat([prompt, generated_mask], -1)

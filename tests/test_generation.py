@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from conftest import PAD, build_tiny
+from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from headkit import BatchError, ConfigError, HeadConfig, HeadedModel
@@ -247,6 +248,25 @@ def _bert_model():
         return HeadedModel(build_tiny("bert"), [HeadConfig("lm_head", is_causal_lm=True)])
 
 
+def _two_lm_heads() -> HeadedModel:
+    """An LM head on the last layer and one on layer 2 (e.g. for early-exit drafting)."""
+    heads = [
+        HeadConfig("lm", is_causal_lm=True),
+        HeadConfig("lm_k2", is_causal_lm=True, layer_hook=2),
+    ]
+    return HeadedModel(build_tiny("llama"), heads).eval()
+
+
+def test_lm_head_name_chooses_among_causal_lm_heads():
+    model = _two_lm_heads()
+    out = model.generate(**prompts(), max_new_tokens=4, lm_head_name="lm_k2")
+    assert out.head_outputs["lm"].shape == (3, 4, 100)  # the other LM head is a token head
+    plain = model(input_ids=out.sequences, attention_mask=out.attention_mask).preds_by_head
+    torch.testing.assert_close(
+        plain["lm_k2"][:, 6:-1].argmax(-1), out.sequences[:, 7:]
+    )  # greedy over lm_k2's logits
+
+
 def _right_padded():
     batch = prompts()
     return {k: v.flip(-1) for k, v in batch.items()}
@@ -296,6 +316,34 @@ GENERATION_CASES = {
         lambda: headed("gpt2")[0].generate(**prompts(), ignore_heads=["lm_head"]),
         ConfigError,
         r"ignore_heads names 'lm_head', the causal-LM head generate chooses tokens with",
+    ),
+    "several-causal-lm-heads": (
+        lambda: _two_lm_heads().generate(**prompts()),
+        ConfigError,
+        r"the model has several causal-LM heads \['lm', 'lm_k2'\]; pass lm_head_name= to choose",
+    ),
+    "lm-head-name-not-causal": (
+        lambda: headed("gpt2")[0].generate(**prompts(), lm_head_name="value"),
+        ConfigError,
+        r"lm_head_name='value' is not a causal-LM head of the model; "
+        r"causal-LM heads: \['lm_head'\]",
+    ),
+    "lm-head-not-over-the-vocabulary": (
+        lambda: HeadedModel(
+            build_tiny("gpt2"), [HeadConfig("lm_head", is_causal_lm=True, num_outputs=50)]
+        ).generate(**prompts()),
+        ConfigError,
+        r"HeadConfig\(name='lm_head'\): num_outputs=50 is not the vocabulary size \(100\)",
+    ),
+    "cache-handed-in": (
+        lambda: headed("gpt2")[0].generate(**prompts(), past_key_values=DynamicCache()),
+        ConfigError,
+        r"generate with heads builds its own KV cache; past_key_values= is not supported",
+    ),
+    "inputs-embeds": (
+        lambda: headed("gpt2")[0].generate(**prompts(), inputs_embeds=torch.zeros(3, 7, 32)),
+        BatchError,
+        r"generate takes input_ids; inputs_embeds is not supported here",
     ),
     "token-id-outside-vocab": (
         lambda: headed("gpt2")[0].generate(torch.tensor([[5, 100]])),
