@@ -1,12 +1,12 @@
 """Value head while generating: SmolLM2-135M writes, and a sentiment value head scores every token.
 
 The packaged SmolLM2-135M-Instruct gets two heads: ``lm_head`` (frozen, it shares the model's
-tied embeddings: no copy) and ``value``, one Linear on the last layer trained for about a minute
-to tell, from every prefix of a real rotten-tomatoes review, whether the review is fresh (1) or
-rotten (0). The backbone is frozen, so its features are cached once and the head trains on them.
-Then ``model.generate`` continues a few prompts and, from the same cached forward passes that
-chose the tokens, returns the value at every generated token, printed token by token.
-Everything is local (the model and the data ship as PyPI packages). Run:
+tied embeddings: no copy) and ``value``, one Linear on layer 16 of 30, trained for about a
+minute to tell, from every prefix of a real rotten-tomatoes review, whether the review is fresh
+(1) or rotten (0). The backbone is frozen, so its features are cached once and the head trains
+on them. Then ``model.generate`` continues a few prompts and, from the same cached forward
+passes that chose the tokens, returns the value at every generated token, printed token by
+token. Everything is local (the model and the data ship as PyPI packages). Run:
 ``python examples/value_head_generation.py`` (a few minutes on 2 CPU cores).
 """
 
@@ -31,8 +31,8 @@ PROMPTS = [
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--examples", type=int, default=500, help="reviews used (of 12,808)")
-    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--examples", type=int, default=600, help="reviews used (of 12,808)")
+    ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
             HeadConfig("lm_head", is_causal_lm=True, trainable=False, loss_fct=None),
             HeadConfig(
                 "value",
+                layer_hook=16,  # of 30: mid-layer states told sentiment best in a quick sweep
                 num_outputs=1,
                 output_activation="sigmoid",
                 is_regression=True,

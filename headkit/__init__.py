@@ -10,6 +10,7 @@ from .features import (
     predict_on_features,
     train_heads_on_features,
 )
+from .generation import HeadedGenerateOutput
 from .heads import HEADS, Head, MLPHead
 from .loading import load_headed
 from .losses import LOSSES, LossSpec
@@ -32,6 +33,7 @@ __all__ = [
     "Head",
     "HeadConfig",
     "HeadedCollator",
+    "HeadedGenerateOutput",
     "HeadedModel",
     "HeadedModelOutput",
     "HeadedTrainer",

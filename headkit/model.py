@@ -290,7 +290,7 @@ class HeadedModel(HeadedGenerationMixin, nn.Module):
             loss_by_head=losses,
             adapted_loss_by_head=adapted,
             preds_by_head=preds,
-            cache=getattr(out, "past_key_values", None) if use_cache and out is not None else None,
+            cache=_cache_of(out) if use_cache and out is not None else None,
             hidden_states=getattr(out, "hidden_states", None) if out is not None else None,
             attentions=getattr(out, "attentions", None) if out is not None else None,
         )
@@ -428,6 +428,13 @@ class _ForwardWithTargets(functools.partial):
             if t not in taken
         ]
         return sig.replace(parameters=params + var_kw)
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache of a backbone output: ``cache`` (transformers >= 5.2x; its deprecated alias
+    ``past_key_values`` warns) or ``past_key_values`` (earlier versions)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def _device_of(module: nn.Module) -> torch.device:

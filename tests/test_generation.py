@@ -13,11 +13,10 @@ import warnings
 import pytest
 import torch
 from conftest import PAD, build_tiny
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from headkit import BatchError, ConfigError, HeadConfig, HeadedModel
-from headkit.generation import HeadedGenerateOutput
+from headkit import BatchError, ConfigError, HeadConfig, HeadedGenerateOutput, HeadedModel
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -82,6 +81,17 @@ def test_greedy_gives_exactly_the_backbones_tokens(arch):
     assert out.head_outputs["value"].shape == (3, NEW, 1)
     assert out.head_outputs["sentiment"].shape == (3, 2)
     assert out.token_logprobs.shape == (3, NEW) and bool((out.token_logprobs <= 0).all())
+
+
+def test_a_generation_config_works_as_in_the_backbones_generate():
+    model, hf = headed("llama")
+    config = GenerationConfig(max_new_tokens=5, do_sample=True, top_k=5, num_return_sequences=2)
+    torch.manual_seed(3)
+    expected = hf.generate(**prompts(), generation_config=config)
+    torch.manual_seed(3)
+    out = model.generate(**prompts(), generation_config=config)
+    assert torch.equal(out.sequences, expected) and out.sequences.shape == (6, 12)
+    assert not config.return_dict_in_generate  # the caller's config is left as it was
 
 
 SAMPLING = {
