@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     lm = model.heads["lm_head"].linears[0].weight
     shared = lm is model.backbone.get_input_embeddings().weight
-    print(f"loaded SmolLM2-135M in {time.perf_counter() - start:.0f} s; lm_head shares the tied ")
-    print(f"embeddings (no {tuple(lm.shape)} copy): {shared}")
+    print(
+        f"loaded SmolLM2-135M in {time.perf_counter() - start:.0f} s; lm_head shares the tied "
+        f"embeddings (no {tuple(lm.shape)} copy): {shared}"
+    )
 
     # every prefix of a review is labelled with the review's verdict (1 fresh, 0 rotten)
     train, test = train_test_split(rotten_tomatoes(limit=args.examples, seed=args.seed), 0.2)
@@ -68,7 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         batch = tok([t for t, _ in rows], padding=True, truncation=True, max_length=48,
                     return_tensors="pt")  # fmt: skip
         verdict = torch.tensor([float(y) for _, y in rows])[:, None]
-        batch["value"] = verdict * batch["attention_mask"]  # padding does not count
+        value = verdict * batch["attention_mask"]  # padding does not count
+        # the first token's state is an attention sink (huge activations in middle layers) that
+        # says nothing about the review: -100 leaves its saturated loss out of the reported loss
+        value[:, 0] = -100
+        batch["value"] = value
         return dict(batch)
 
     t0 = time.perf_counter()

@@ -101,11 +101,15 @@ class HeadedGenerationMixin:
         once with the KV cache and all heads read the hooked states of that same forward; as
         ``generate`` never feeds its last token back, one extra cached step over that token
         alone (only as deep as the deepest head) gives its head outputs. Heads named in
-        ``ignore_heads`` are not computed. Prompts must be left-padded; the model runs in eval
-        mode while generating. See ``HeadedGenerateOutput`` and ``docs/generation.md``.
+        ``ignore_heads`` are not computed. Prompts must be left-padded (no ``attention_mask``:
+        every token counts, pad ids included); the model runs in eval mode while generating.
+        See ``HeadedGenerateOutput`` and ``docs/generation.md``.
         """
-        plan = _plan(self, set(ignore_heads), lm_head_name)
+        ignore = {ignore_heads} if isinstance(ignore_heads, str) else set(ignore_heads)
+        plan = _plan(self, ignore, lm_head_name)
         _check_prompt(self, input_ids, attention_mask, kwargs)
+        if attention_mask is None:  # headkit's rule: no mask, every token counts
+            attention_mask = torch.ones_like(input_ids)
         if generation_config is not None:
             generation_config = copy.deepcopy(generation_config)
             generation_config.return_dict_in_generate = True  # the cache and scores come back
@@ -381,7 +385,7 @@ def _stitch(pieces: dict[int, torch.Tensor], start: int, stop: int) -> torch.Ten
     a later piece overwrites an earlier one at the same positions."""
     first = next(iter(pieces.values()))
     out = first.new_zeros((first.shape[0], stop - start, *first.shape[2:]))
-    covered = torch.zeros(stop - start, dtype=torch.bool)
+    covered = torch.zeros(stop - start, dtype=torch.bool)  # bookkeeping on the CPU
     for pos in sorted(pieces):
         piece = pieces[pos]
         lo, hi = max(pos, start), min(pos + piece.shape[1], stop)
@@ -398,7 +402,7 @@ def _until_eos(generated: torch.Tensor, eos: Any) -> torch.Tensor:
     """(rows, N) → 1 up to and including each row's first eos token, 0 after it."""
     if eos is None:
         return torch.ones_like(generated)
-    ids = torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], device=generated.device)
+    ids = torch.as_tensor(eos, device=generated.device).flatten()  # an id, ids or a tensor
     is_eos = torch.isin(generated, ids).long()
     ended_before = is_eos.cumsum(-1) - is_eos  # eos tokens strictly before each position
     return (ended_before == 0).long()
@@ -408,7 +412,7 @@ def _finish(
     driver: _HeadedDriver,
     out: Any,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor,
     config: GenerationConfig,
 ) -> HeadedGenerateOutput:
     """Run the extra step over the last token, then stitch the recorded outputs together."""
@@ -416,34 +420,31 @@ def _finish(
     rows, total = sequences.shape
     P = input_ids.shape[1]
     N = total - P
-    repeat = rows // input_ids.shape[0]
-    ones = torch.ones((rows, N), dtype=torch.long, device=sequences.device)
-    prompt_mask = (
-        attention_mask.long().repeat_interleave(repeat, 0).to(sequences.device)
-        if attention_mask is not None
-        else None
-    )
+    # rows = batch × num_return_sequences, each prompt's rows together (repeat_interleave)
+    prompt_mask = attention_mask.long().repeat_interleave(rows // input_ids.shape[0], 0)
+    prompt_mask = prompt_mask.to(sequences.device)
+    generated_mask = _until_eos(sequences[:, P:], config.eos_token_id)
+    full_mask = torch.cat([prompt_mask, generated_mask], -1)
+    dev = driver.device  # generate may keep the sequences where the prompts were
+    last = sequences[:, -1:].to(dev)
     rec, plan = driver.recorder, driver.plan
     if N > 0 and (plan.token_heads or plan.sequence_heads):
         last_pos = rec.last_position_ids
         driver.final_step = True
         driver(
-            input_ids=sequences[:, -1:],
-            attention_mask=None if prompt_mask is None else torch.cat([prompt_mask, ones], -1),
+            input_ids=last,
+            attention_mask=torch.cat([prompt_mask, torch.ones_like(generated_mask)], -1).to(dev),
             position_ids=None if last_pos is None else last_pos + 1,
             cache=out.cache,
             use_cache=True,
         )
     elif N > 0:  # no head needs the last token's states: only its log-probability
-        rec.logprobs[total - 1] = rec.logprob_of(sequences[:, -1:])
-    generated_mask = _until_eos(sequences[:, P:], config.eos_token_id)
-    prompt = prompt_mask if prompt_mask is not None else sequences.new_ones((rows, P))
-    full_mask = torch.cat([prompt, generated_mask], -1)
+        rec.logprobs[total - 1] = rec.logprob_of(last)
     headed = driver._headed
     head_outputs = {n: _stitch(rec.token_outputs[n], P, total) for n in plan.token_heads}
     for name, layer in plan.sequence_heads.items():
         states = _stitch(rec.states[layer], 0, total)  # (rows, P + N, hidden)
-        head_outputs[name] = headed.heads[name](states, full_mask, headed.info.pooler)
+        head_outputs[name] = headed.heads[name](states, full_mask.to(dev), headed.info.pooler)
     logprobs = torch.stack([rec.logprobs[p] for p in range(P, total)], -1) if N else None
     return HeadedGenerateOutput(
         sequences=sequences,

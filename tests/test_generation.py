@@ -154,7 +154,8 @@ def test_eos_stops_each_row_on_its_own(arch):
     free = model.generate(**batch, max_new_tokens=NEW, do_sample=False)
     eos, at = _eos_for_the_first_row(free.sequences[:, 7:])
     expected = hf.generate(**batch, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
-    out = model.generate(**batch, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    # several eos ids work as in transformers; 99 is never generated here
+    out = model.generate(**batch, max_new_tokens=NEW, do_sample=False, eos_token_id=[99, eos])
     assert torch.equal(out.sequences, expected)
     generated = out.sequences[:, 7:]
     assert generated[0, at] == eos and bool((generated[0, at + 1 :] == PAD).all())
@@ -170,6 +171,14 @@ def test_max_new_tokens_bounds_the_generated_length():
     assert out.sequences.shape == (3, 10) and out.token_logprobs.shape == (3, 3)
     assert out.head_outputs["value"].shape == (3, 3, 1)
     assert torch.equal(out.sequences, hf.generate(**prompts(), max_new_tokens=3))
+
+
+def test_prompts_without_a_mask_count_every_token():
+    model, hf = headed("gpt2")
+    ids = prompts()["input_ids"][:1]  # one unpadded prompt
+    out = model.generate(ids, max_new_tokens=5, ignore_heads="sentiment")  # a name, or names
+    assert torch.equal(out.sequences, hf.generate(ids, max_new_tokens=5))
+    assert set(out.head_outputs) == {"value"} and bool(out.attention_mask.all())
 
 
 class Collect(BaseStreamer):
