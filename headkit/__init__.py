@@ -11,6 +11,7 @@ from .features import (
     predict_on_features,
     train_heads_on_features,
 )
+from .generation import HeadedGenerateOutput
 from .heads import HEADS, Head, MLPHead
 from .loading import load_headed
 from .lora import create_headed_qlora, load_lora_with_heads, merge_and_unload
@@ -35,6 +36,7 @@ __all__ = [
     "Head",
     "HeadConfig",
     "HeadedCollator",
+    "HeadedGenerateOutput",
     "HeadedModel",
     "HeadedModelOutput",
     "HeadedTrainer",

@@ -30,6 +30,7 @@ from .backbone import BackboneInfo, base_model_of, inspect_backbone
 from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
 from .errors import BatchError, CheckpointError, ConfigError, NonFiniteLossError
+from .generation import HeadedGenerationMixin
 from .heads import Head, HeadDict, build_head, get_submodule_by_name
 from .hf import PreTrainedConveniences, hide_head_dicts_from_trainer
 from .inputs import MODEL_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
@@ -38,6 +39,7 @@ from .losses import head_loss
 from .parallel import freeze_unreached, inside_strict_ddp, join_idle
 from .source import BackboneSource
 from .st import transformers_model_of
+from .tying import init_lm_head, tied_head_weights
 from .weighting import LossWeighting, build_weighting
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
@@ -70,14 +72,15 @@ class HeadedModelOutput(ModelOutput):
         return self.cache
 
 
-class HeadedModel(PreTrainedConveniences, nn.Module):
+class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     """A transformer backbone with named heads.
 
     ``model`` may be a bare transformer (``BertModel``), a task model (``GPT2LMHeadModel``,
     ``BertForSequenceClassification``) or a ``SentenceTransformer`` (its Transformer module's
     model): its bare transformer becomes ``self.backbone``, and a
     head named ``lm_head`` with ``is_causal_lm=True`` starts from the task model's output
-    embeddings, so its predictions equal the original LM logits. The backbone is not
+    embeddings, so its predictions equal the original LM logits (a frozen one of a frozen backbone
+    that ties it to its input embeddings shares that matrix). The backbone is not
     modified (only frozen, and then put in eval mode, if asked; the per-head output dicts
     are added to its config's ``keys_to_ignore_at_inference`` for Trainer), so peft and
     generation utilities can wrap it.
@@ -160,8 +163,11 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
                 for n, c in self.head_configs.items()
             }
         )
+        #: ``generate``'s defaults: those of the task model (None: from the backbone's config)
+        self.generation_config = getattr(model, "generation_config", None)
         if model is not self.backbone:
-            self._init_lm_head(model)
+            frozen = freeze_base_model or not any(p.requires_grad for p in model.parameters())
+            init_lm_head(self.heads, self.head_configs, self.backbone, model, frozen)
         if freeze_base_model:
             freeze_base(self.backbone)  # LoRA adapters, if any, stay trainable
             self.backbone.eval()  # no dropout noise in features nothing learns from
@@ -216,22 +222,6 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
                     f"HeadConfig(name={cfg.name!r}): target={cfg.target!r} collides with a model "
                     f"input name; choose another (reserved: {', '.join(sorted(reserved))})"
                 )
-
-    @torch.no_grad()
-    def _init_lm_head(self, task_model: PreTrainedModel) -> None:
-        cfg = self.head_configs.get("lm_head")
-        if cfg is None or not cfg.is_causal_lm or cfg.num_layers != 1:
-            return
-        out = task_model.get_output_embeddings()
-        lin = self.heads["lm_head"].linears[0]
-        if not isinstance(out, nn.Linear) or out.weight.shape != lin.weight.shape:
-            return
-        lin.weight.copy_(out.weight)
-        if lin.bias is not None:
-            if out.bias is not None:
-                lin.bias.copy_(out.bias)
-            else:
-                lin.bias.zero_()
 
     def train(self, mode: bool = True) -> HeadedModel:
         """Set train/eval mode; a fully frozen backbone stays in eval mode.
@@ -350,7 +340,7 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
             loss_by_head=losses,
             adapted_loss_by_head=adapted,
             preds_by_head=preds,
-            cache=getattr(out, "past_key_values", None) if use_cache and out is not None else None,
+            cache=_cache_of(out) if use_cache and out is not None else None,
             hidden_states=getattr(out, "hidden_states", None) if out is not None else None,
             attentions=getattr(out, "attentions", None) if out is not None else None,
         )
@@ -459,8 +449,11 @@ class HeadedModel(PreTrainedConveniences, nn.Module):
         return get_submodule_by_name(self, target)
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters and buffers headkit adds (heads and loss weighting)."""
+        """The parameters and buffers headkit adds (heads and loss weighting); a head weight
+        tied to the backbone's input embeddings is the backbone's, not listed here."""
+        tied = set(tied_head_weights(self.backbone, self.heads))
         sd = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        sd = {k: v for k, v in sd.items() if k not in tied}
         sd.update({f"loss_weighting.{k}": v for k, v in self.loss_weighting.state_dict().items()})
         return sd
 
@@ -473,6 +466,13 @@ def _check_budget(value: Any) -> int | None:
             f"max_head_parameters={value!r} is invalid; a positive integer, or None for no limit"
         )
     return int(value)
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache of a backbone output: ``cache`` (transformers >= 5.2x; its deprecated alias
+    ``past_key_values`` warns) or ``past_key_values`` (earlier versions)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -24,6 +24,8 @@ from .paths import MANIFEST, MAX_NAME, plain_name
 FORMAT = "headkit"
 FORMAT_VERSION = 2  # the newest this version reads and writes: 2 adds a LoRA adapter
 PLAIN_FORMAT_VERSION = 1  # checkpoints without an adapter, readable by earlier versions
+#: Manifest field: head weights that are the backbone's input embeddings (not in the file).
+TIED = "tied_to_input_embeddings"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -150,6 +152,11 @@ def _check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
         raise bad("loss_weighting", weighting, 'a dict like {"name": "fixed"}')
     if manifest.get("nonfinite_loss", "raise") not in ("raise", "skip"):
         raise bad("nonfinite_loss", manifest["nonfinite_loss"], "'raise' or 'skip'")
+    tied = manifest.get(TIED, [])
+    if not isinstance(tied, list) or not all(
+        isinstance(t, str) and t.startswith("heads.") for t in tied
+    ):
+        raise bad(TIED, tied, "a list of head parameter names such as 'heads.lm_head.mlp.0.weight'")
     layers_path = manifest.get("layers_path")
     if layers_path is not None and not isinstance(layers_path, str):
         raise bad("layers_path", layers_path, "a module path such as 'model.layers' or absent")

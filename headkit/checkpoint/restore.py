@@ -27,8 +27,9 @@ from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
 from ..fingerprint import is_cheap, legacy_fingerprint, tensors_fingerprint
 from ..source import BackboneSource, load_backbone, requested_dtype, resolve_source, source_of
+from ..tying import tie_head_weights
 from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
-from .manifest import MANIFEST, read_manifest, sha256_file
+from .manifest import MANIFEST, TIED, read_manifest, sha256_file
 from .paths import HUB_KWARGS, check_inside, check_tree_inside, resolve_checkpoint
 from .sizes import backbone_width, check_sizes
 
@@ -55,6 +56,11 @@ class Checkpoint:
     @property
     def weighting(self) -> dict[str, Any]:
         return dict(self.manifest.get("loss_weighting") or {"name": "fixed"})
+
+    @property
+    def tied(self) -> list[str]:
+        """Head weights that are the backbone's input embeddings (re-tied, not in the file)."""
+        return list(self.manifest.get(TIED, []))
 
     @property
     def nonfinite_loss(self) -> str:
@@ -192,6 +198,8 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
             f"{where!r} was trained with loss_weighting={scheme!r}, but the model uses "
             f"{model.loss_weighting.name!r}"
         )
+    trainable = {n: c.trainable for n, c in model.head_configs.items()}
+    tie_head_weights(model.backbone, model.heads, ckpt.tied, trainable, where)
     load_head_weights(model, ckpt.head_state, where)
     model.nonfinite_loss = ckpt.nonfinite_loss
     folder = ckpt.saved_backbone

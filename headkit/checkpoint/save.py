@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from ..adapter_layers import base_parameters, base_state_dict, has_adapters
 from ..errors import CheckpointError, ConfigError
+from ..tying import tied_head_weights
 from .adapters import quantization_entry, write_adapter
 from .journal import PendingSave, recover
 from .lock import folder_lock
@@ -33,6 +34,7 @@ from .manifest import (
     FORMAT_VERSION,
     MANIFEST,
     PLAIN_FORMAT_VERSION,
+    TIED,
     fsync_dir,
     fsync_file,
     sha256_file,
@@ -103,6 +105,9 @@ def save_checkpoint(
                 manifest["layers_path"] = model.layers_path
             if adapter is not None:
                 manifest["adapter"] = adapter
+            tied = tied_head_weights(model.backbone, model.heads)
+            if tied:  # shared with the backbone's input embeddings: re-tied on load, not written
+                manifest[TIED] = tied
             _commit(root, manifest, token)
     return root
 

@@ -23,6 +23,7 @@ import torch
 
 from ..config import HeadConfig
 from ..errors import CheckpointError
+from .manifest import TIED
 from .paths import MANIFEST
 
 #: Poolings whose output is as wide as the hooked layer (one slice of a concatenation).
@@ -54,7 +55,12 @@ def check_sizes(
     width: int | None,
 ) -> None:
     """Raise CheckpointError if the manifest's heads cannot fit ``state`` (see module doc)."""
-    heads = [c for c in manifest["heads"] if isinstance(c, HeadConfig) and c.head_type == "mlp"]
+    tied = {t.removeprefix("heads.").split(".", 1)[0] for t in manifest.get(TIED, [])}
+    heads = [
+        c
+        for c in manifest["heads"]
+        if isinstance(c, HeadConfig) and c.head_type == "mlp" and c.name not in tied
+    ]  # (a head tied to the input embeddings has its matrix in the backbone, not the file)
     have = sum(t.numel() for t in state.values())
     need = sum(_min_mlp_numel(c, width or 1) for c in heads)
     if need > 2 * have + (1 << 20):
