@@ -41,6 +41,10 @@ format: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=536870912 \
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_early_exit.py
+	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=536870912 \
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_lora.py
+	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=536870912 \
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_generation.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -177,10 +178,26 @@ def _backbone_and_tokenizer(model: Any, tokenizer: Any, model_kwargs: Any) -> tu
     return model, tokenizer
 
 
+@contextmanager
+def _left_as_it_was(backbone: PreTrainedModel) -> Iterator[None]:
+    """Restore every parameter's requires_grad and every module's train/eval mode on exit
+    (HeadedModel freezes the backbone and puts it in eval mode)."""
+    flags = [p.requires_grad for p in backbone.parameters()]
+    modes = [m.training for m in backbone.modules()]
+    try:
+        yield
+    finally:
+        for p, flag in zip(backbone.parameters(), flags):
+            p.requires_grad_(flag)
+        for m, mode in zip(backbone.modules(), modes):
+            m.training = mode
+
+
 def _num_layers(backbone: PreTrainedModel) -> int:
     """Number of blocks as headkit finds them (layer -1 resolves to it)."""
-    probe = HeadedModel(backbone, [HeadConfig("depth", loss_fct=None)], freeze_base_model=False)
-    return probe.hooked_layers()["depth"]
+    with _left_as_it_was(backbone):
+        probe = HeadedModel(backbone, [HeadConfig("depth", loss_fct=None)])
+        return probe.hooked_layers()["depth"]
 
 
 def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress) -> dict:
@@ -197,8 +214,7 @@ def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress)
         heads = {("token", k): HeadConfig(f"layer{k}", layer_hook=k, loss_fct=None) for k in layers}
     lengths = torch.tensor([len(e["input_ids"]) for e in rows.examples])
     order = torch.argsort(lengths, stable=True)  # similar lengths per batch: less padding
-    flags = [p.requires_grad for p in backbone.parameters()]
-    try:
+    with _left_as_it_was(backbone):
         headed = HeadedModel(backbone, list(heads.values()))
         cached = cache_features(
             headed,
@@ -206,9 +222,6 @@ def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress)
             batch_size=batch_size,
             progress=progress,
         )
-    finally:
-        for p, flag in zip(backbone.parameters(), flags):
-            p.requires_grad_(flag)
     if rows.position is None:
         where = torch.empty_like(order)
         where[order] = torch.arange(len(order))  # cache row of each example
