@@ -1,0 +1,268 @@
+"""Results of the suite: other benchmarks' figures, ``results.json`` and ``docs/benchmarks.md``.
+
+The contract for other benchmarks (see benchmarks/README.md): a module
+``benchmarks/bench_<name>.py`` exposes ``main(argv: list[str] | None = None) -> dict`` and
+its recorded results live in ``benchmarks/results/<name>.json``; both carry
+``{"name": <name>, "figures": [{"name", "value", "unit", "goal", "met"}, ...]}``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+NOTES_START = "<!-- notes: kept by benchmarks/run.py when it rewrites this file -->"
+NOTES_END = "<!-- end of notes -->"
+FIGURE_KEYS = ("name", "value", "unit", "goal", "met")
+
+
+# ---------------------------------------------------------------------- other benchmarks
+def _valid(result: Any) -> bool:
+    figs = result.get("figures") if isinstance(result, dict) else None
+    return isinstance(figs, list) and all(
+        isinstance(f, dict) and {"name", "value"} <= set(f) for f in figs
+    )
+
+
+def collect_others(bench_dir: Path, run: bool) -> tuple[list[dict], list[str]]:
+    """Figures of the other benchmarks: run each ``bench_*.py``'s ``main([])`` when ``run``,
+    else read what they recorded in ``results/*.json``. Returns (benchmarks, errors)."""
+    found: dict[str, dict] = {}
+    errors: list[str] = []
+    if run:
+        for path in sorted(bench_dir.glob("bench_*.py")):
+            name = path.stem.removeprefix("bench_")
+            try:
+                spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                if not hasattr(mod, "main"):
+                    continue
+                result = mod.main([])
+                if not _valid(result):
+                    raise ValueError("main() did not return {'figures': [{name, value, ...}]}")
+            except Exception as e:
+                errors.append(f"{path.name}: {type(e).__name__}: {e}")
+                continue
+            found[result.get("name", name)] = {**result, "source": f"ran {path.name} now"}
+    for path in sorted((bench_dir / "results").glob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            errors.append(f"{path}: unreadable ({e})")
+            continue
+        name = result.get("name", path.stem) if isinstance(result, dict) else path.stem
+        if _valid(result) and name not in found:
+            found[name] = {**result, "source": f"recorded in benchmarks/results/{path.name}"}
+    others = [
+        {
+            "name": n,
+            "source": r["source"],
+            "figures": [{k: f.get(k) for k in FIGURE_KEYS} for f in r["figures"]],
+        }
+        for n, r in sorted(found.items())
+    ]
+    return others, errors
+
+
+# ---------------------------------------------------------------------- machine
+def machine_facts(threads: int, device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    facts = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "malloc_env": all(
+            k in os.environ
+            for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+        ),
+        "device": device,
+    }
+    if device == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name()
+    try:
+        root = Path(__file__).resolve().parent.parent
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        facts["commit"] = commit + ("+changes" if dirty else "")
+    except OSError:
+        pass
+    return facts
+
+
+# ---------------------------------------------------------------------- markdown
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _met(r: dict) -> str:
+    if r["status"] == "n/a":
+        return "n/a"
+    if r["status"] == "error":
+        return "error"
+    if r["met"] is None:
+        return ""
+    if r["met"]:
+        return "yes"
+    return f"**no** (+{r['missed_by'] * 100:.1f} %)" if r.get("missed_by") else "**no**"
+
+
+def _notes(r: dict) -> str:
+    d = r["details"]
+    parts = []
+    ms = d.get("ms")
+    if ms and r["scenario"] not in "bf":
+        parts.append(", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
+    s = r["scenario"]
+    if s == "b" and "probe_k_over_floor_k" in d:
+        parts.append(
+            f"ideal {d['ideal']:.3f}; ÷ {d['k']}-block floor {d['probe_k_over_floor_k']:.2f}; "
+            f"last layer ÷ bare {d['probe_last_over_bare_full']:.2f}; all-states predecessor "
+            f"÷ floor {d['all_states_k_over_floor_k']:.2f}"
+        )
+    if s == "e" and "loss_masking_share" in d:
+        parts.append(
+            f"loss masking alone {d['loss_masking_share']:.3f}, attention padding mask alone "
+            f"{d['backbone_masking_share']:.3f}; {d['pad_fraction'] * 100:.0f} % pads"
+        )
+    if s == "f" and "cache_pass_s" in d:
+        parts.append(
+            f"through backbone {ms['recompute'] / 1e3:.2f} s; cache pass {d['cache_pass_s']:.2f} s"
+            f" + training {d['cached_training_s']:.2f} s ({d['sequences']} sequences)"
+        )
+    if s == "g" and "increment_mib" in d:
+        inc = d["increment_mib"]
+        parts.append(
+            f"MiB above the built model: head {_fmt(inc['headed_mid'], 0)}, all states "
+            f"{_fmt(inc['bare_all_states'], 0)}, bare {_fmt(inc['bare'], 0)} ({d['batch']})"
+        )
+    if s == "h" and "layer_2_on_over_off" in d:
+        parts.append(f"probe on layer 2: {d['layer_2_on_over_off']:.3f}")
+    if s == "i":
+        if "headkit_compile_s" in d:
+            parts.append(
+                f"compile: headkit {d['headkit_compile_s']:.0f} s, "
+                f"bare {d.get('bare_compile_s', '?')} s"
+            )
+        if "graph_breaks" in d:
+            parts.append(f"{d['graph_breaks']} graph breaks")
+    if r.get("note"):
+        parts.append(r["note"][:300])
+    oc = d.get("other_cores")
+    if oc is not None:
+        parts.append(f"load {oc:.2f} cores" + (" (noisy)" if oc > 0.2 else ""))
+    return "; ".join(parts).replace("|", "\\|")
+
+
+def markdown(results: dict, previous: str | None) -> str:
+    m, st = results["machine"], results["settings"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- generated by benchmarks/run.py; only the notes section at the end is kept -->",
+        "",
+    ]
+    if results.get("note"):
+        lines += [f"**{results['note']}**", ""]
+    lines += [
+        "Every figure is a ratio measured inside one process: headkit's cost over its floor or "
+        "peer, the two sides alternated step by step, median of each side "
+        f"({st['steps']} timed steps after {st['warmup']} warm-up; a scenario is rerun up to "
+        f"{st['retries']} times when other processes used more than {st['max_load']} cores). "
+        "See benchmarks/README.md for what each scenario compares.",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, device "
+        f"{m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}; Python {m['python']}, "
+        f"torch {m['torch']}, transformers {m['transformers']}; malloc env vars: "
+        f"{m['malloc_env']}; commit {m.get('commit', '?')}; {results['created']}.",
+        "",
+        f"Models: random {', '.join(st['archs'])} built from configs, {st['layers']} layers, "
+        f"hidden {st['hidden']}, {st['dtype']}; batch {st['batch']} x {st['seq']} tokens.",
+        "",
+        "| scenario | arch | ratio | goal | met? | notes |",
+        "|---|---|---:|---|---|---|",
+    ]
+    for r in results["records"]:
+        lines.append(
+            f"| {r['scenario']}: {r['figure']} | {r['arch']} | {_fmt(r['ratio'])} | "
+            f"{r['goal'] or ''} | {_met(r)} | {_notes(r)} |"
+        )
+    thr = [r for r in results["records"] if r["details"].get("tokens_per_s")]
+    if thr:
+        lines += [
+            "",
+            "## Absolute throughput (tokens/s per side)",
+            "",
+            "| scenario | arch | sides |",
+            "|---|---|---|",
+        ]
+        for r in thr:
+            sides = ", ".join(f"{k} {v:,.0f}" for k, v in r["details"]["tokens_per_s"].items())
+            lines.append(f"| {r['name']} | {r['arch']} | {sides} |")
+    others = results.get("others") or []
+    if others:
+        lines += [
+            "",
+            "## Other benchmarks",
+            "",
+            "| benchmark | figure | value | unit | goal | met? | source |",
+            "|---|---|---:|---|---|---|---|",
+        ]
+        for o in others:
+            for f in o["figures"]:
+                met = "" if f.get("met") is None else ("yes" if f["met"] else "**no**")
+                lines.append(
+                    f"| {o['name']} | {f['name']} | {_fmt(f['value'])} | {f.get('unit') or ''} "
+                    f"| {f.get('goal') or ''} | {met} | {o['source']} |"
+                )
+    if results.get("errors"):
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
+    notes = ""
+    if previous and NOTES_START in previous and NOTES_END in previous:
+        notes = previous.split(NOTES_START, 1)[1].split(NOTES_END, 1)[0].strip("\n")
+    lines += ["", NOTES_START, notes, NOTES_END, ""]
+    return "\n".join(lines)
+
+
+def write(results: dict, out: Path, doc: Path | None) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    if doc is not None:
+        previous = doc.read_text() if doc.exists() else None
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        doc.write_text(markdown(results, previous))
+
+
+def command_line() -> str:
+    argv = [Path(sys.argv[0]).as_posix()] + sys.argv[1:]
+    return "python " + " ".join(argv)
