@@ -155,8 +155,9 @@ def _notes(r: dict) -> str:
         )
     if s == "f" and "cache_pass_s" in d:
         parts.append(
-            f"through backbone {ms['recompute'] / 1e3:.2f} s; cache pass {d['cache_pass_s']:.2f} s"
-            f" + training {d['cached_training_s']:.2f} s ({d['sequences']} sequences)"
+            f"through the backbone {d['through_s']:.2f} s (step {ms['step']:.1f} ms); cache pass "
+            f"{d['cache_pass_s']:.2f} s ({d['cache_pass_over_epoch']:.2f} epoch) + training "
+            f"{d['cached_training_s']:.2f} s; {d['sequences']} sequences"
         )
     if s == "g" and "increment_mib" in d:
         inc = d["increment_mib"]

@@ -50,11 +50,16 @@ def parse_args(argv: list[str] | None):
         "--quiet-timeout",
         type=float,
         default=None,
-        help="seconds to wait for a quiet machine before each timing (default 120, quick 0)",
+        help="seconds to wait for a quiet machine before each timing (default 30, quick 0)",
     )
     ap.add_argument("--with-others", action="store_true", help="also run benchmarks/bench_*.py")
     ap.add_argument("--out", type=Path, default=HERE / "results.json")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the records of --out for the scenarios and archs not run now",
+    )
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--note", default="", help="a line shown at the top of the doc")
     return ap.parse_args(argv)
@@ -104,9 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         threads=args.threads,
         cached_batches=1 if q else 8,
-        cached_repeats=1 if q else 3,
         mem_repeats=1 if q else 3,
-        quiet_timeout=args.quiet_timeout if args.quiet_timeout is not None else (0 if q else 120),
+        quiet_timeout=args.quiet_timeout if args.quiet_timeout is not None else (0 if q else 30),
     )
     t0 = time.perf_counter()
     records: list[dict] = []
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         for arch in ["gpt2"] if letter == "i" and not args.arch else archs:
             t = time.perf_counter()
             got = run_scenario(ctx, letter, arch)
+            for r in got:
+                r["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
             records += got
             for r in got:
                 print(
@@ -123,6 +129,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['note'][:120]} ({time.perf_counter() - t:.0f}s)",
                     flush=True,
                 )
+    if args.merge and args.out.exists():  # earlier records of what was not run now
+        import json
+
+        ran = {(r["scenario"], r["arch"]) for r in records}
+        kept = [
+            r
+            for r in json.loads(args.out.read_text())["records"]
+            if (r["scenario"], r["arch"]) not in ran
+        ]
+        order = {c: i for i, c in enumerate(SCENARIOS)}
+        records = sorted(kept + records, key=lambda r: order[r["scenario"]])
     others, other_errors = collect_others(HERE, run=args.with_others)
     errors = [f"{r['name']} ({r['arch']}): {r['note']}" for r in records if r["status"] == "error"]
     errors += other_errors
