@@ -3,7 +3,8 @@
 The contract for other benchmarks (see benchmarks/README.md): a module
 ``benchmarks/bench_<name>.py`` exposes ``main(argv: list[str] | None = None) -> dict`` and
 its recorded results live in ``benchmarks/results/<name>.json``; both carry
-``{"name": <name>, "figures": [{"name", "value", "unit", "goal", "met"}, ...]}``.
+``{"name": <name>, "figures": [{"name", "value", "unit", "goal", "met"}, ...]}``. A result
+without ``figures`` is still shown, with figures derived from its ratio-like entries.
 """
 
 from __future__ import annotations
@@ -30,6 +31,44 @@ def _valid(result: Any) -> bool:
     )
 
 
+_FIGURE_HINTS = ("ratio", "_over_", "tokens_per_s", "speedup")
+_SKIP = {"setting", "settings", "attempts", "samples", "samples_s", "other_cores", "goals"}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def derive_figures(result: dict) -> list[dict]:
+    """Figures read from a result without ``figures`` (a tolerant reader): numeric entries up
+    to three levels deep whose name says ratio, _over_, speedup or tokens_per_s; the goal from
+    ``goals[name]`` (or ``goal`` for ``ratio``), met from ``goals_met[name]`` where given."""
+    figs: list[dict] = []
+
+    def walk(d: dict, prefix: str, depth: int) -> None:
+        goals = d.get("goals") if isinstance(d.get("goals"), dict) else {}
+        met = d.get("goals_met") if isinstance(d.get("goals_met"), dict) else {}
+        for k, v in d.items():
+            if k in _SKIP:
+                continue
+            if isinstance(v, dict) and depth < 3:
+                walk(v, f"{prefix}{k}.", depth + 1)
+            elif _number(v) and any(h in k for h in _FIGURE_HINTS):
+                goal = goals.get(k, d.get("goal") if k == "ratio" else None)
+                figs.append(
+                    {
+                        "name": prefix + k,
+                        "value": v,
+                        "unit": "tokens/s" if "per_s" in k else "ratio",
+                        "goal": None if goal is None else str(goal),
+                        "met": met.get(k),
+                    }
+                )
+
+    walk(result, "", 1)
+    return figs
+
+
 def collect_others(bench_dir: Path, run: bool) -> tuple[list[dict], list[str]]:
     """Figures of the other benchmarks: run each ``bench_*.py``'s ``main([])`` when ``run``,
     else read what they recorded in ``results/*.json``. Returns (benchmarks, errors)."""
@@ -45,21 +84,31 @@ def collect_others(bench_dir: Path, run: bool) -> tuple[list[dict], list[str]]:
                 if not hasattr(mod, "main"):
                     continue
                 result = mod.main([])
+                source = f"ran {path.name} now"
+                if isinstance(result, dict) and "figures" not in result:
+                    result = {**result, "figures": derive_figures(result)}
+                    source += " (figures derived: it returned no 'figures')"
                 if not _valid(result):
                     raise ValueError("main() did not return {'figures': [{name, value, ...}]}")
             except Exception as e:
                 errors.append(f"{path.name}: {type(e).__name__}: {e}")
                 continue
-            found[result.get("name", name)] = {**result, "source": f"ran {path.name} now"}
+            found[result.get("name", name)] = {**result, "source": source}
     for path in sorted((bench_dir / "results").glob("*.json")):
         try:
             result = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             errors.append(f"{path}: unreadable ({e})")
             continue
-        name = result.get("name", path.stem) if isinstance(result, dict) else path.stem
-        if _valid(result) and name not in found:
-            found[name] = {**result, "source": f"recorded in benchmarks/results/{path.name}"}
+        if not isinstance(result, dict):
+            continue
+        name = result.get("name", path.stem)
+        source = f"recorded in benchmarks/results/{path.name}"
+        if "figures" not in result:
+            result = {**result, "figures": derive_figures(result)}
+            source += " (figures derived)"
+        if _valid(result) and result["figures"] and name not in found:
+            found[name] = {**result, "source": source}
     others = [
         {
             "name": n,

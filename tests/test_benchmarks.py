@@ -50,10 +50,16 @@ def test_other_benchmarks_contract(tmp_path: Path) -> None:
     (tmp_path / "results" / "sweep.json").write_text(
         json.dumps({"name": "sweep", "figures": [{**fig, "name": "layers/s", "met": True}]})
     )
-    (tmp_path / "results" / "legacy.json").write_text(json.dumps({"speedup": 9.5}))
+    legacy = {"setting": {"ratio": 2.0}, "last_over_peft": 1.16, "median_ms": {"peft": 8.3}}
+    legacy |= {"goals": {"last_over_peft": 1.05}, "goals_met": {"last_over_peft": False}}
+    (tmp_path / "results" / "lora.json").write_text(json.dumps(legacy))
     recorded, errors = collect_others(tmp_path, run=False)
     assert not errors
-    assert [o["name"] for o in recorded] == ["generation", "sweep"]  # legacy: no figures
+    assert [o["name"] for o in recorded] == ["generation", "lora", "sweep"]
+    lora = next(o for o in recorded if o["name"] == "lora")  # no "figures": derived
+    assert lora["figures"] == [
+        {"name": "last_over_peft", "value": 1.16, "unit": "ratio", "goal": "1.05", "met": False}
+    ]
     ran, errors = collect_others(tmp_path, run=True)
     assert not errors
     gen = next(o for o in ran if o["name"] == "generation")
