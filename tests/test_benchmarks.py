@@ -46,7 +46,8 @@ def test_other_benchmarks_contract(tmp_path: Path) -> None:
     (tmp_path / "bench_gen.py").write_text(
         f"def main(argv=None):\n    return {{'name': 'generation', 'figures': [{fig!r}]}}\n"
     )
-    (tmp_path / "results" / "generation.json").write_text(json.dumps({"figures": []}))
+    old = {"name": "generation", "figures": [{**fig, "value": 1000.0}]}
+    (tmp_path / "results" / "generation.json").write_text(json.dumps(old))
     (tmp_path / "results" / "sweep.json").write_text(
         json.dumps({"name": "sweep", "figures": [{**fig, "name": "layers/s", "met": True}]})
     )
@@ -60,7 +61,8 @@ def test_other_benchmarks_contract(tmp_path: Path) -> None:
     assert lora["figures"] == [
         {"name": "last_over_peft", "value": 1.16, "unit": "ratio", "goal": "1.05", "met": False}
     ]
+    assert next(o for o in recorded if o["name"] == "generation")["figures"][0]["value"] == 1000
     ran, errors = collect_others(tmp_path, run=True)
     assert not errors
-    gen = next(o for o in ran if o["name"] == "generation")
+    gen = next(o for o in ran if o["name"] == "generation")  # what main() returned now
     assert gen["source"].startswith("ran bench_gen.py") and gen["figures"] == [fig]
