@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import json
     import time
 
     import torch
@@ -113,6 +114,37 @@ def main(argv: list[str] | None = None) -> int:
         quiet_timeout=args.quiet_timeout if args.quiet_timeout is not None else (0 if q else 30),
     )
     t0 = time.perf_counter()
+    order = {c: i for i, c in enumerate(SCENARIOS)}
+    kept: list[dict] = []
+    if args.merge and args.out.exists():  # earlier records of what is not run now
+        todo = {(c, a) for c in only for a in (["gpt2"] if c == "i" and not args.arch else archs)}
+        old = json.loads(args.out.read_text()).get("records", [])
+        kept = [r for r in old if (r["scenario"], r["arch"]) not in todo]
+
+    def assemble(records: list[dict], others: list[dict], errors: list[str]) -> dict:
+        return {
+            "suite": "headkit benchmarks (issue 13)",
+            "format_version": 1,
+            "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "command": command_line(),
+            "note": args.note,
+            "machine": machine_facts(args.threads, args.device),
+            "settings": {
+                **ctx.sizes.__dict__,
+                "archs": archs,
+                "dtype": args.dtype,
+                "warmup": ctx.warmup,
+                "steps": ctx.steps,
+                "max_load": ctx.max_load,
+                "retries": ctx.retries,
+                "quick": q,
+                "wall_s": round(time.perf_counter() - t0, 1),
+            },
+            "records": sorted(kept + records, key=lambda r: order[r["scenario"]]),
+            "others": others,
+            "errors": errors,
+        }
+
     records: list[dict] = []
     for letter in only:
         # compile time is large on a small CPU: (i) on GPT-2 unless archs were named
@@ -129,42 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['note'][:120]} ({time.perf_counter() - t:.0f}s)",
                     flush=True,
                 )
-    if args.merge and args.out.exists():  # earlier records of what was not run now
-        import json
-
-        ran = {(r["scenario"], r["arch"]) for r in records}
-        kept = [
-            r
-            for r in json.loads(args.out.read_text())["records"]
-            if (r["scenario"], r["arch"]) not in ran
-        ]
-        order = {c: i for i, c in enumerate(SCENARIOS)}
-        records = sorted(kept + records, key=lambda r: order[r["scenario"]])
+            # after every scenario, so an interrupted run keeps what it measured (--merge)
+            write({**assemble(records, [], []), "partial": True}, args.out, None)
     others, other_errors = collect_others(HERE, run=args.with_others)
     errors = [f"{r['name']} ({r['arch']}): {r['note']}" for r in records if r["status"] == "error"]
     errors += other_errors
-    results = {
-        "suite": "headkit benchmarks (issue 13)",
-        "format_version": 1,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": command_line(),
-        "note": args.note,
-        "machine": machine_facts(args.threads, args.device),
-        "settings": {
-            **ctx.sizes.__dict__,
-            "archs": archs,
-            "dtype": args.dtype,
-            "warmup": ctx.warmup,
-            "steps": ctx.steps,
-            "max_load": ctx.max_load,
-            "retries": ctx.retries,
-            "quick": q,
-            "wall_s": round(time.perf_counter() - t0, 1),
-        },
-        "records": records,
-        "others": others,
-        "errors": errors,
-    }
+    results = assemble(records, others, errors)
     write(results, args.out, None if args.no_doc else args.doc)
     print(f"wrote {args.out}" + ("" if args.no_doc else f" and {args.doc}"))
     for e in errors:
