@@ -142,6 +142,7 @@ def machine_facts(threads: int, device: str) -> dict[str, Any]:
             k in os.environ
             for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
         ),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "device": device,
     }
     if device == "cuda":
@@ -254,7 +255,8 @@ def markdown(results: dict, previous: str | None) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, device "
         f"{m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}; Python {m['python']}, "
         f"torch {m['torch']}, transformers {m['transformers']}; malloc env vars: "
-        f"{m['malloc_env']}; commit {m.get('commit', '?')}; {results['created']}.",
+        f"{m['malloc_env']}; OMP_WAIT_POLICY {m.get('omp_wait_policy', '?')}; "
+        f"commit {m.get('commit', '?')}; {results['created']}.",
         "",
         f"Models: random {', '.join(st['archs'])} built from configs, {st['layers']} layers, "
         f"hidden {st['hidden']}, {st['dtype']}; batch {st['batch']} x {st['seq']} tokens.",

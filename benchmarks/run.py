@@ -7,7 +7,8 @@
 
 Writes ``benchmarks/results.json`` and ``docs/benchmarks.md``; exits non-zero only when a
 scenario or another benchmark broke (a missed goal is a result, not an error). The malloc
-settings of shared BENCHMARKING.md are applied by re-executing itself when they are missing.
+settings of shared BENCHMARKING.md and OMP_WAIT_POLICY=PASSIVE are applied by re-executing
+itself when they are missing.
 Scenarios: see ``benchmarks/_suite.py`` and ``benchmarks/README.md``.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import ensure_malloc_env  # noqa: E402  (stdlib only: cheap before re-exec)
+from _harness import ensure_bench_env  # noqa: E402  (stdlib only: cheap before re-exec)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -175,5 +176,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    ensure_malloc_env()
+    ensure_bench_env()
     sys.exit(main())
