@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
 import statistics
 import sys
 import time
@@ -216,7 +215,7 @@ def _status_kib(key: str) -> int | None:
 
 
 def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM, and ru_maxrss with it); False if refused."""
+    """Reset the kernel's peak-RSS counter of this process (VmHWM); False if refused."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -226,11 +225,16 @@ def _reset_peak_rss() -> bool:
 
 
 def rss_now_mib() -> dict[str, float | None]:
-    """This process's RSS and lifetime peak RSS (``ru_maxrss``), MiB."""
-    rss = _status_kib("VmRSS")
+    """This process's RSS and peak RSS (VmRSS, VmHWM), MiB.
+
+    Not ``ru_maxrss``: it also holds the peak of threads that exited and, after exec, the RSS
+    of the process this one was forked from (the whole suite), so it is neither resettable
+    nor this process's own peak.
+    """
+    rss, hwm = _status_kib("VmRSS"), _status_kib("VmHWM")
     return {
         "rss_mib": None if rss is None else rss / 1024,
-        "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_mib": None if hwm is None else hwm / 1024,
     }
 
 
@@ -239,7 +243,7 @@ def peak_memory(fn: Callable[[], object], repeats: int = 2) -> dict[str, Any]:
 
     The peak counter is reset first (``/proc/self/clear_refs``), so what building the model
     touched does not count; where that is refused the increment is left to the caller
-    (``ru_maxrss`` of this process minus that of a process that only built the model).
+    (the peak of this process minus that of a process that only built the model).
     """
     gc.collect()
     reset = _reset_peak_rss()
@@ -247,12 +251,12 @@ def peak_memory(fn: Callable[[], object], repeats: int = 2) -> dict[str, Any]:
     for _ in range(repeats):
         fn()
     after = rss_now_mib()
-    inc = after["ru_maxrss_mib"] - before["rss_mib"] if reset and before["rss_mib"] else None
+    ok = reset and before["rss_mib"] is not None and after["peak_mib"] is not None
     return {
         "rss_before_mib": before["rss_mib"],
-        "ru_maxrss_mib": after["ru_maxrss_mib"],
+        "peak_mib": after["peak_mib"],
         "peak_reset": reset,
-        "increment_mib": inc,
+        "increment_mib": after["peak_mib"] - before["rss_mib"] if ok else None,
     }
 
 

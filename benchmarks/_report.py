@@ -9,10 +9,12 @@ without ``figures`` is still shown, with figures derived from its ratio-like ent
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -218,10 +220,9 @@ def _notes(r: dict) -> str:
     if s == "h" and "layer_2_on_over_off" in d:
         parts.append(f"probe on layer 2: {d['layer_2_on_over_off']:.3f}")
     if s == "i":
-        if "headkit_compile_s" in d:
+        if "bare_compile_s" in d:
             parts.append(
-                f"compile: headkit {d['headkit_compile_s']:.0f} s, "
-                f"bare {d.get('bare_compile_s', '?')} s"
+                f"compile: headkit {d['headkit_compile_s']:.0f} s, bare {d['bare_compile_s']:.0f} s"
             )
         if "graph_breaks" in d:
             parts.append(f"{d['graph_breaks']} graph breaks")
@@ -250,7 +251,13 @@ def markdown(results: dict, previous: str | None) -> str:
         f"{st['retries']} times when other processes used more than {st['max_load']} cores). "
         "See benchmarks/README.md for what each scenario compares.",
         "",
-        f"Command: `{results['command']}`",
+        "Command: "
+        + "; then ".join(f"`{c}`" for c in results.get("commands") or [results["command"]])
+        + (
+            " (with --merge: each record's measured_at says which run)"
+            if len(results.get("commands") or []) > 1
+            else ""
+        ),
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, device "
         f"{m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}; Python {m['python']}, "
@@ -316,5 +323,12 @@ def write(results: dict, out: Path, doc: Path | None) -> None:
 
 
 def command_line() -> str:
-    argv = [Path(sys.argv[0]).as_posix()] + sys.argv[1:]
-    return "python " + " ".join(argv)
+    """How this run was started (relative script path; a --note's text is elided)."""
+    argv = list(sys.argv[1:])
+    for i, a in enumerate(argv[:-1]):
+        if a == "--note":
+            argv[i + 1] = "…"
+    script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):  # outside the working directory: keep it absolute
+        script = script.relative_to(Path.cwd())
+    return shlex.join(["python", script.as_posix(), *argv])

@@ -463,24 +463,26 @@ def scenario_g(ctx: Context, arch: str) -> list[dict]:
         vals = [r[key] for r in runs[kind] if r.get(key) is not None]
         return round(statistics.median(vals), 1) if vals else None
 
-    built = med("built", "ru_maxrss_mib")
+    built = med("built", "peak_mib")
     inc = {}
     for kind in MEMORY_KINDS[1:]:
         inc[kind] = med(kind, "increment_mib")
-        if inc[kind] is None and built is not None:  # peak counter not resettable here
-            inc[kind] = round(med(kind, "ru_maxrss_mib") - built, 1)
+        if inc[kind] is None and built is not None and med(kind, "peak_mib") is not None:
+            inc[kind] = round(med(kind, "peak_mib") - built, 1)  # peak counter not resettable
     details = {
         "batch": f"{ctx.sizes.mem_batch} x {ctx.sizes.mem_seq}",
         "head_layer": ctx.sizes.layers // 2,
         "increment_mib": inc,
-        "ru_maxrss_mib": {k: med(k, "ru_maxrss_mib") for k in MEMORY_KINDS},
+        "peak_rss_mib": {k: med(k, "peak_mib") for k in MEMORY_KINDS},
         "rss_before_mib": {k: med(k, "rss_before_mib") for k in MEMORY_KINDS[1:]},
+        "built_rss_mib": med("built", "rss_mib"),
         "processes_per_kind": ctx.mem_repeats,
         "method": (
             "CUDA max_memory_allocated above allocated before"
             if ctx.device == "cuda"
-            else "fresh process per run, plain glibc; peak RSS (ru_maxrss after resetting it "
-            "via /proc/self/clear_refs) above the RSS before two inference calls"
+            else "fresh process per run, plain glibc; peak RSS (VmHWM, reset via "
+            "/proc/self/clear_refs after building and a tiny warm-up call) above the RSS before "
+            "two inference calls"
         ),
     }
     if inc["bare_all_states"]:

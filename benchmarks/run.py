@@ -117,17 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     order = {c: i for i, c in enumerate(SCENARIOS)}
     kept: list[dict] = []
+    commands = [command_line()]
     if args.merge and args.out.exists():  # earlier records of what is not run now
         todo = {(c, a) for c in only for a in (["gpt2"] if c == "i" and not args.arch else archs)}
-        old = json.loads(args.out.read_text()).get("records", [])
-        kept = [r for r in old if (r["scenario"], r["arch"]) not in todo]
+        old = json.loads(args.out.read_text())
+        kept = [r for r in old.get("records", []) if (r["scenario"], r["arch"]) not in todo]
+        commands = old.get("commands", [old.get("command")]) + commands
 
     def assemble(records: list[dict], others: list[dict], errors: list[str]) -> dict:
         return {
             "suite": "headkit benchmarks (issue 13)",
             "format_version": 1,
             "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "command": command_line(),
+            "command": commands[-1],
+            "commands": commands,  # with --merge: every run whose records are kept
             "note": args.note,
             "machine": machine_facts(args.threads, args.device),
             "settings": {
