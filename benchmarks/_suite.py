@@ -31,6 +31,7 @@ import copy
 import inspect
 import itertools
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -574,8 +575,8 @@ def scenario_i(ctx: Context, arch: str) -> list[dict]:
     try:
         head_step, head_compile_s = compiled_step(hm, True)
     except Exception as e:  # the model does not compile as one graph yet: say why
-        failure = f"{type(e).__name__}: " + " ".join(str(e).split())[:600]
-        details["fullgraph_error"] = failure
+        failure = _compile_failure(e)
+        details["fullgraph_error"] = f"{type(e).__name__}: " + " ".join(str(e).split())[:600]
         try:
             explain = torch._dynamo.explain(hm)(**batch)
             details["graph_breaks"] = explain.graph_break_count
@@ -615,6 +616,18 @@ def scenario_i(ctx: Context, arch: str) -> list[dict]:
         )
     )
     return out
+
+
+def _compile_failure(e: Exception) -> str:
+    """A line: the error's first sentence and where in headkit (or the user's code) it arose."""
+    text = " ".join(str(e).split())
+    sentences = text.split(". ")
+    keys = ("Could not", "Unsupported", "not supported", "data-dependent", "graph break")
+    first = next((x for x in sentences if any(k in x for k in keys)), sentences[0])[:200]
+    where = re.findall(r"([\w/.-]+\.py):(\d+) in (\w+)", text)
+    at = next((w for w in where if "headkit/" in w[0]), where[0] if where else None)
+    loc = f" at {Path(at[0]).name}:{at[1]} ({at[2]})" if at else ""
+    return f"{type(e).__name__}{loc}: {first}"
 
 
 def _break_reason(r: Any) -> str:
