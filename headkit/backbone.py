@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .errors import ConfigError
+from .positions import PositionScheme, position_scheme
 
 
 class _StopForward(Exception):
@@ -37,6 +38,7 @@ class BackboneInfo:
     forward_params: set[str] = field(default_factory=set)
     tie_last: bool = True
     vocab_size: int | None = None
+    positions: PositionScheme | None = None  # position table and numbering (positions.py)
 
     def resolve_hook(self, layer_hook: int, head: str = "?") -> int:
         """Map a (possibly negative) ``layer_hook`` to 0..num_layers, or raise ConfigError."""
@@ -56,8 +58,12 @@ def base_model_of(model: PreTrainedModel) -> PreTrainedModel:
     return base if isinstance(base, nn.Module) else model
 
 
-def inspect_backbone(model: PreTrainedModel) -> BackboneInfo:
-    """Inspect a bare transformer (see ``base_model_of``)."""
+def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> BackboneInfo:
+    """Inspect a bare transformer (see ``base_model_of``).
+
+    ``layers_path`` (a module path such as ``"model.layers"``) names the block stack when
+    inspection cannot find it: the shallowest ``nn.ModuleList`` of ``num_hidden_layers``.
+    """
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(
@@ -66,7 +72,7 @@ def inspect_backbone(model: PreTrainedModel) -> BackboneInfo:
         )
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = getattr(text_cfg, "num_hidden_layers", None)
-    path, layers = _find_layers(model, n_layers)
+    path, layers = _find_layers(model, n_layers, layers_path)
     hidden = getattr(text_cfg, "hidden_size", None)
     if hidden is None:
         emb = model.get_input_embeddings()
@@ -78,6 +84,7 @@ def inspect_backbone(model: PreTrainedModel) -> BackboneInfo:
         pooler_size = lins[-1].out_features if lins else hidden
     else:
         pooler = None
+    params = set(inspect.signature(model.forward).parameters)
     return BackboneInfo(
         layers=layers,
         layers_path=path,
@@ -86,24 +93,41 @@ def inspect_backbone(model: PreTrainedModel) -> BackboneInfo:
         is_decoder=_is_causal(model),
         pooler=pooler,
         pooler_size=pooler_size,
-        forward_params=set(inspect.signature(model.forward).parameters),
+        forward_params=params,
         tie_last=getattr(config, "tie_last_hidden_states", None) is not False,
         vocab_size=getattr(text_cfg, "vocab_size", None),
+        positions=position_scheme(model, params),
     )
 
 
-def _find_layers(model: nn.Module, n_layers: int | None) -> tuple[str, nn.ModuleList]:
+def _find_layers(
+    model: nn.Module, n_layers: int | None, layers_path: str | None
+) -> tuple[str, nn.ModuleList]:
+    if layers_path is not None:
+        try:
+            found = model.get_submodule(layers_path) if layers_path else None
+        except AttributeError:
+            found = None
+        if not isinstance(found, nn.ModuleList) or not len(found):
+            lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+            raise ConfigError(
+                f"layers_path={layers_path!r} is not a non-empty nn.ModuleList of "
+                f"{type(model).__name__}; its ModuleLists: {lists[:10]}"
+            )
+        return layers_path, found
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    exact = [(n, m) for n, m in lists if n_layers is not None and len(m) == n_layers]
-    candidates = sorted(exact, key=lambda nm: nm[0].count(".")) or sorted(
-        lists, key=lambda nm: -len(nm[1])
+    exact = sorted(
+        ((n, m) for n, m in lists if n_layers is not None and len(m) == n_layers),
+        key=lambda nm: nm[0].count("."),
     )
-    if not candidates:
+    if not exact:
+        found = ", ".join(f"{n} ({len(m)})" for n, m in lists[:10]) or "none"
         raise ConfigError(
-            f"cannot find the block stack of {type(model).__name__}: no nn.ModuleList of "
-            f"num_hidden_layers={n_layers} modules"
+            f"cannot find the block stack of {type(model).__name__}: no nn.ModuleList has "
+            f"num_hidden_layers={n_layers} modules (ModuleLists found: {found}); pass "
+            "layers_path='...' (e.g. 'model.layers') to name it"
         )
-    return candidates[0]  # the shallowest stack of the right length
+    return exact[0]  # the shallowest stack of the right length
 
 
 def _is_causal(model: nn.Module) -> bool:

@@ -1,6 +1,7 @@
 """HeadConfig: what a head reads, what it predicts, and how it is trained.
 
-Field names, order and defaults follow ``transformer-heads`` so its configs run unchanged.
+Field names, order and defaults follow ``transformer-heads`` so its configs run unchanged;
+headkit's own fields come after them. What a loss allows is asked of its ``LossSpec``.
 """
 
 from __future__ import annotations
@@ -9,13 +10,26 @@ import dataclasses
 import json
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .activations import ACTIVATIONS
 from .errors import ConfigError
-from .losses import CLASSIFICATION_LOSSES, LOSSES, PROBABILITY_LOSSES
+from .heads import HEADS
+from .losses import LOSSES, loss_spec, task_of
 from .pooling import parse_pooling
+
+_BOOL_FIELDS = (
+    "is_causal_lm",
+    "pred_for_sequence",
+    "is_regression",
+    "output_bias",
+    "trainable",
+    "block_gradients",
+)
 
 
 @dataclass
@@ -30,7 +44,12 @@ class HeadConfig:
     size, for ``num_outputs`` the vocabulary size of a causal-LM head (1 otherwise), for
     ``target`` the head's name, for ``ignore_pads`` "not is_causal_lm", and for ``pooling``
     the backbone's natural choice ("last" for decoder-only models, "first" for encoders).
-    ``loss_fct=None`` means the head is never trained by a loss.
+    ``loss_fct=None`` means the head is never trained by a loss. ``head_type`` names the head
+    class in the ``HEADS`` registry ("mlp", the default, is ``MLPHead``).
+
+    ``name`` is any non-empty string without '.' (also "type", "keys", "my-head").
+    NumPy scalars are stored as the Python numbers they hold; ``extra`` must hold JSON values
+    (NumPy scalars converted, tuples become lists), so every config saves as JSON.
     """
 
     name: str
@@ -54,8 +73,10 @@ class HeadConfig:
     dropout: float = 0.0
     pooling: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    head_type: str = "mlp"
 
     def __post_init__(self) -> None:
+        self._as_python_values()
         self._validate()
         if self.target is None:
             self.target = self.name
@@ -67,51 +88,92 @@ class HeadConfig:
         self.dropout = float(self.dropout)
 
     # ------------------------------------------------------------------ validation
-    def _validate(self) -> None:
-        def bad(field_name: str, value: Any, allowed: str) -> ConfigError:
-            return ConfigError(
-                f"HeadConfig(name={self.name!r}): {field_name}={value!r} is invalid; {allowed}"
-            )
+    def _bad(self, field_name: str, value: Any, allowed: str) -> ConfigError:
+        return ConfigError(
+            f"HeadConfig(name={_show(self.name)}): {field_name}={_show(value)} is invalid; "
+            f"{allowed}"
+        )
 
+    def _as_python_values(self) -> None:
+        """NumPy scalars (``np.int64(3)``, ``np.float32(0.5)``, ``np.bool_``) become the Python
+        numbers they hold, so configs compare, hash and save as JSON like any other; ``extra``
+        must hold JSON values (NumPy scalars converted, tuples become lists)."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, np.generic) and v.dtype.kind in "biuf":
+                setattr(self, f.name, v.item())
+        if isinstance(self.extra, dict):
+            self.extra = _json_value(self.extra, "extra", self)
+
+    def _validate(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
             raise ConfigError(
                 f"HeadConfig: name={self.name!r} is invalid; a non-empty string without '.'"
             )
-        for f in (
-            "is_causal_lm",
-            "pred_for_sequence",
-            "is_regression",
-            "output_bias",
-            "trainable",
-            "block_gradients",
-        ):
+        self._validate_types()
+        self._validate_sizes()
+        self._validate_kind()
+        self._validate_loss()
+        if self.pooling is not None:
+            if not self.pred_for_sequence:
+                raise self._bad(
+                    "pooling",
+                    self.pooling,
+                    "pooling applies only to sequence heads (pred_for_sequence=True)",
+                )
+            parse_pooling(self.pooling, head=self.name)
+
+    def _validate_types(self) -> None:
+        for f in _BOOL_FIELDS:
             v = getattr(self, f)
             if not isinstance(v, bool):
-                raise bad(f, v, "expected True or False")
+                raise self._bad(f, v, "expected True or False")
         if self.ignore_pads is not None and not isinstance(self.ignore_pads, bool):
-            raise bad("ignore_pads", self.ignore_pads, "expected True, False or None")
+            raise self._bad("ignore_pads", self.ignore_pads, "expected True, False or None")
+        for f in ("output_activation", "hidden_activation"):
+            v = getattr(self, f)
+            if v not in ACTIVATIONS:
+                raise self._bad(f, v, f"allowed: {', '.join(ACTIVATIONS.names())}")
+        if self.target is not None and (not isinstance(self.target, str) or not self.target):
+            raise self._bad("target", self.target, "expected a non-empty string or None")
+        if not _is_real(self.loss_weight) or not math.isfinite(self.loss_weight):
+            raise self._bad("loss_weight", self.loss_weight, "expected a finite number >= 0")
+        if self.loss_weight < 0:
+            raise self._bad("loss_weight", self.loss_weight, "expected a finite number >= 0")
+        if not _is_real(self.dropout) or not 0 <= self.dropout < 1:
+            raise self._bad("dropout", self.dropout, "expected a probability in [0, 1)")
+        if not isinstance(self.extra, dict):
+            raise self._bad("extra", self.extra, "expected a dict of JSON values")
+        if self.head_type not in HEADS:
+            raise self._bad("head_type", self.head_type, f"allowed: {', '.join(HEADS.names())}")
+
+    def _validate_sizes(self) -> None:
+        for f in ("in_size", "num_outputs", "layer_hook", "hidden_size", "num_layers"):
+            v = getattr(self, f)
+            if _is_int(v) and not -_INT64 <= v < _INT64:
+                raise self._bad(f, v, "expected an integer within +-2**63 (a tensor size or index)")
         for f in ("in_size", "num_outputs"):
             v = getattr(self, f)
             if v is not None and (not _is_int(v) or v < 1):
-                raise bad(f, v, "expected a positive integer or None")
+                raise self._bad(f, v, "expected a positive integer or None")
         if not _is_int(self.layer_hook):
-            raise bad("layer_hook", self.layer_hook, "expected an integer index into hidden_states")
+            raise self._bad(
+                "layer_hook", self.layer_hook, "expected an integer index into hidden_states"
+            )
         if not _is_int(self.num_layers) or self.num_layers < 1:
-            raise bad("num_layers", self.num_layers, "expected an integer >= 1 (1 = one Linear)")
+            raise self._bad(
+                "num_layers", self.num_layers, "expected an integer >= 1 (1 = one Linear)"
+            )
         if not _is_int(self.hidden_size) or self.hidden_size < 0:
-            raise bad("hidden_size", self.hidden_size, "expected an integer >= 0")
+            raise self._bad("hidden_size", self.hidden_size, "expected an integer >= 0")
         if self.num_layers > 1 and self.hidden_size < 1:
-            raise bad(
+            raise self._bad(
                 "hidden_size",
                 self.hidden_size,
                 f"num_layers={self.num_layers} needs hidden_size >= 1 (the width between layers)",
             )
-        for f in ("output_activation", "hidden_activation"):
-            v = getattr(self, f)
-            if v not in ACTIVATIONS:
-                raise bad(f, v, f"allowed: {', '.join(ACTIVATIONS.names())}")
-        if self.target is not None and (not isinstance(self.target, str) or not self.target):
-            raise bad("target", self.target, "expected a non-empty string or None")
+
+    def _validate_kind(self) -> None:
         if self.is_causal_lm and self.pred_for_sequence:
             raise ConfigError(
                 f"HeadConfig(name={self.name!r}): is_causal_lm=True and pred_for_sequence=True "
@@ -122,73 +184,69 @@ class HeadConfig:
                 f"HeadConfig(name={self.name!r}): is_causal_lm=True and is_regression=True "
                 "cannot both be set"
             )
-        if self.loss_fct is not None:
-            if self.loss_fct not in LOSSES:
-                raise bad(
-                    "loss_fct", self.loss_fct, f"allowed: {', '.join(LOSSES.names())} or None"
-                )
-            if self.is_regression and self.loss_fct.lower() in CLASSIFICATION_LOSSES:
-                raise bad(
-                    "loss_fct",
-                    self.loss_fct,
-                    "is_regression=True needs a regression loss "
-                    f"({', '.join(n for n in LOSSES.names() if n not in CLASSIFICATION_LOSSES)})",
-                )
-            if (
-                self.loss_fct.lower() in PROBABILITY_LOSSES
-                and self.output_activation.lower()
-                not in (
-                    "sigmoid",
-                    "softmax",
-                )
-            ):
-                raise bad(
-                    "loss_fct",
-                    self.loss_fct,
-                    f"'bce' needs probabilities: set output_activation='sigmoid' (it is "
-                    f"{self.output_activation!r}) or use loss_fct='bce_with_logits'",
-                )
-            if self.is_causal_lm and self.loss_fct.lower() not in CLASSIFICATION_LOSSES:
-                raise bad("loss_fct", self.loss_fct, "a causal-LM head needs 'cross_entropy'")
-        if (
-            isinstance(self.loss_weight, bool)
-            or not isinstance(self.loss_weight, numbers.Real)
-            or not math.isfinite(self.loss_weight)
-            or self.loss_weight < 0
+
+    def _validate_loss(self) -> None:
+        if self.loss_fct is None:
+            return
+        if self.loss_fct not in LOSSES:
+            raise self._bad(
+                "loss_fct", self.loss_fct, f"allowed: {', '.join(LOSSES.names())} or None"
+            )
+        spec = LOSSES.get(self.loss_fct)
+        if self.is_regression and spec.classes:
+            allowed = ", ".join(n for n in LOSSES.names() if not LOSSES.get(n).classes)
+            raise self._bad(
+                "loss_fct",
+                self.loss_fct,
+                f"is_regression=True needs a regression loss ({allowed})",
+            )
+        if spec.needs_probabilities and self.output_activation.lower() not in (
+            "sigmoid",
+            "softmax",
         ):
-            raise bad("loss_weight", self.loss_weight, "expected a finite number >= 0")
-        if (
-            isinstance(self.dropout, bool)
-            or not isinstance(self.dropout, numbers.Real)
-            or not 0 <= self.dropout < 1
-        ):
-            raise bad("dropout", self.dropout, "expected a probability in [0, 1)")
-        if self.pooling is not None:
-            if not self.pred_for_sequence:
-                raise bad(
-                    "pooling",
-                    self.pooling,
-                    "pooling applies only to sequence heads (pred_for_sequence=True)",
-                )
-            parse_pooling(self.pooling, head=self.name)
-        if not isinstance(self.extra, dict):
-            raise bad("extra", self.extra, "expected a dict of JSON values")
+            raise self._bad(
+                "loss_fct",
+                self.loss_fct,
+                f"{self.loss_fct.lower()!r} needs probabilities: set output_activation='sigmoid' "
+                f"(it is {self.output_activation!r}) or use loss_fct='bce_with_logits'",
+            )
+        if self.is_causal_lm and not spec.classes:
+            allowed = ", ".join(n for n in LOSSES.names() if LOSSES.get(n).classes)
+            raise self._bad(
+                "loss_fct",
+                self.loss_fct,
+                f"a causal-LM head needs a loss over class indices ({allowed})",
+            )
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
-        return dataclasses.asdict(self)
+        """A JSON-ready dict of the fields that differ from their defaults (and ``name``).
+
+        Leaving defaults out keeps checkpoints readable by versions that do not know a
+        field added later.
+        """
+        ref = _defaults_for(self)
+        data = dataclasses.asdict(self)
+        return {k: v for k, v in data.items() if k == "name" or v != ref.get(k, _MISSING)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HeadConfig:
-        """Build from a dict; unknown keys raise ConfigError naming them."""
+    def from_dict(cls, data: dict[str, Any], *, unknown: str = "error") -> HeadConfig:
+        """Build from a dict. Unknown keys raise ConfigError naming them, or with
+        ``unknown="warn"`` (how checkpoints are read) are ignored with a warning."""
         if not isinstance(data, dict):
             raise ConfigError(f"a HeadConfig must be a dict of fields, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
+        extra = sorted(set(data) - known, key=str)
+        if extra and unknown == "warn":
+            warnings.warn(
+                f"HeadConfig(name={data.get('name')!r}): ignoring unknown field(s) {extra} "
+                "(written by another headkit version?)",
+                stacklevel=2,
+            )
+            data = {k: v for k, v in data.items() if k in known}
+        elif extra:
             raise ConfigError(
-                f"HeadConfig(name={data.get('name')!r}): unknown field(s) {unknown}; "
+                f"HeadConfig(name={data.get('name')!r}): unknown field(s) {extra}; "
                 f"allowed: {', '.join(sorted(known))}"
             )
         if "name" not in data:
@@ -202,7 +260,7 @@ class HeadConfig:
     def from_json(cls, text: str) -> HeadConfig:
         try:
             data = json.loads(text)
-        except (TypeError, json.JSONDecodeError, RecursionError) as e:
+        except (TypeError, ValueError, RecursionError) as e:  # ValueError: a 5,001-digit int
             raise ConfigError(f"HeadConfig.from_json: not valid JSON ({e})") from None
         return cls.from_dict(data)
 
@@ -210,10 +268,88 @@ class HeadConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
+    # ------------------------------------------------------------------ derived
     @property
     def pooling_strategies(self) -> list[str]:
         return parse_pooling(self.pooling) if self.pooling else []
 
+    @property
+    def layout(self) -> str:
+        """ "causal_lm", "sequence" or "token": what one prediction covers."""
+        if self.is_causal_lm:
+            return "causal_lm"
+        return "sequence" if self.pred_for_sequence else "token"
+
+    @property
+    def task(self) -> str:
+        """ "lm", "regression", "binary" or "classification" (asked of the loss's spec)."""
+        return task_of(self)
+
+    @property
+    def spec(self):
+        """The head's ``LossSpec`` (None without a loss)."""
+        return loss_spec(self)
+
+
+_MISSING = object()
+_INT64 = 2**63
+
+
+def _json_value(value: Any, path: str, cfg: HeadConfig) -> Any:
+    """``value`` as JSON-ready Python data (NumPy scalars converted, tuples as lists), or a
+    ConfigError naming the path of the first value JSON cannot hold."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        value = value.item()
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if not -_INT64 <= value < _INT64:
+            raise cfg._bad(path, value, "expected JSON values (integers within +-2**63)")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise cfg._bad(path, value, "expected JSON values (finite numbers)")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, f"{path}[{i}]", cfg) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise cfg._bad(f"{path} key", bad[0], "expected JSON values (dict keys are strings)")
+        return {k: _json_value(v, f"{path}[{k!r}]", cfg) for k, v in value.items()}
+    raise cfg._bad(
+        path,
+        value,
+        f"expected JSON values (None, bool, int, float, str, list, dict), got "
+        f"{type(value).__name__}",
+    )
+
+
+def _defaults_for(cfg: HeadConfig) -> dict[str, Any]:
+    """What each field of ``cfg`` would be had it been left at its default."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(HeadConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    out["target"] = cfg.name  # None resolves to the name ...
+    out["ignore_pads"] = not cfg.is_causal_lm  # ... and to "not is_causal_lm"
+    return out
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` for messages, shortened (a 5,001-digit integer has no repr)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<an integer of {abs(value).bit_length()} bits>"
+    return text if len(text) <= 200 else f"{text[:120]}...({len(text)} characters)"
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)

@@ -4,11 +4,15 @@ Inputs are padded with the pad id and a 0 in ``attention_mask`` (headkit reads p
 the mask only). Token-level labels are padded on the same side as the inputs with -100 (or a
 per-target pad value); sequence-level labels are stacked (ints → int64, floats → float32).
 Labels go under ``batch["labels"]`` as ``{target: tensor}``: HF Trainer recognises that key as
-the batch's labels (so evaluation reports ``eval_loss``) and HeadedModel unpacks it.
+the batch's labels (so evaluation reports ``eval_loss``) and HeadedModel unpacks it. For a
+model with one head that has a loss, ``batch["labels"]`` is that head's label tensor, as
+transformers' collators make it (so Trainer's ``EvalPrediction.label_ids`` is a plain array),
+and a ``label`` / ``label_ids`` column is that head's label too.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -17,15 +21,9 @@ import numpy as np
 import torch
 
 from .errors import BatchError, ConfigError
-from .losses import IGNORE_INDEX, LOSSES
-
-# Per-token inputs the collator pads, with their pad value (None: the pad token id).
-_TOKEN_INPUTS: dict[str, int | None] = {
-    "input_ids": None,
-    "attention_mask": 0,
-    "token_type_ids": 0,
-    "position_ids": 0,
-}
+from .inputs import TOKEN_INPUT_PADS as _TOKEN_INPUTS
+from .labels import RENAMED_TO_LABELS, single_loss_target
+from .losses import IGNORE_INDEX, minus_100_is_ignored
 
 
 class HeadedCollator:
@@ -69,15 +67,33 @@ class HeadedCollator:
                 "integer >= 1 or None"
             )
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.label_pad_value = label_pad_value
+        self.label_pad_value = _checked_pad_values(label_pad_value)
+        if labels_key is not None and (not isinstance(labels_key, str) or not labels_key):
+            raise ConfigError(
+                f"HeadedCollator: labels_key={labels_key!r} is invalid; a non-empty string "
+                "(default 'labels') or None (targets at the top level)"
+            )
         self.labels_key = labels_key
+        if isinstance(token_targets, (str, bytes)):
+            raise ConfigError(
+                f"HeadedCollator: token_targets={token_targets!r} is invalid; a list of target "
+                f"names (e.g. [{token_targets!r}]), not one string"
+            )
         self._heads = _heads_by_target(model)
+        configs = getattr(model, "head_configs", None) if model is not None else None
+        self._single_target = single_loss_target(configs) if configs else None
         self._token_targets = set(token_targets or ())
         self._token_targets |= {t for t, cfgs in self._heads.items() if _is_token_level(cfgs)}
 
     # ------------------------------------------------------------------ public
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Pad and stack ``features`` into a batch of tensors."""
+        if not isinstance(features, Sequence) or isinstance(features, (str, bytes)):
+            hint = " (one example? wrap it in a list)" if isinstance(features, Mapping) else ""
+            raise BatchError(
+                f"HeadedCollator: features must be a list of feature dicts, got "
+                f"{type(features).__name__}{hint}; pass list(...) of the examples"
+            )
         if not features:
             raise BatchError("HeadedCollator: got an empty list of features; expected >= 1")
         for i, f in enumerate(features):
@@ -103,17 +119,19 @@ class HeadedCollator:
                 rows = _token_rows(features, lengths, key, fill=0)
                 batch[key] = self._pad(rows, _TOKEN_INPUTS[key], width)
 
-        targets = [
-            k for k in dict.fromkeys(k for f in features for k in f) if k not in _TOKEN_INPUTS
-        ]
+        keys = [k for k in dict.fromkeys(k for f in features for k in f) if k not in _TOKEN_INPUTS]
         labels: dict[str, torch.Tensor] = {}
-        for target in targets:
-            self._check_target(target)
-            values = [f.get(target) for f in features]
+        for key in keys:
+            target = self._target_of(key, keys)
+            values = [f.get(key) for f in features]
             if all(v is None for v in values):
                 continue
             labels[target] = self._collate_labels(target, values, lengths, width)
-        if labels:
+        single = self._single_target
+        if single in labels and self.labels_key == "labels":
+            batch["labels"] = labels.pop(single)  # one trained head: a plain tensor
+            batch.update(labels)
+        elif labels:
             if self.labels_key is None:
                 batch.update(labels)
             else:
@@ -132,13 +150,30 @@ class HeadedCollator:
         )
 
     # ------------------------------------------------------------------ helpers
-    def _check_target(self, target: str) -> None:
-        if self.model is not None and target not in self._heads:
-            raise BatchError(
-                f"HeadedCollator: feature key {target!r} is neither a model input "
-                f"({', '.join(_TOKEN_INPUTS)}) nor a head target "
-                f"({', '.join(sorted(self._heads))}); remove that column from the data"
-            )
+    def _target_of(self, key: str, keys: list[str]) -> str:
+        """The head target a feature key holds: itself, or for a model with one head that
+        has a loss, a ``label`` / ``label_ids`` / ``labels`` column is that head's label."""
+        if self.model is None or key in self._heads:
+            return key
+        renamed = key in (*RENAMED_TO_LABELS, "labels")
+        if renamed and self._single_target is not None:
+            if self._single_target in keys:
+                raise BatchError(
+                    f"HeadedCollator: features hold both {key!r} and {self._single_target!r}, "
+                    f"the labels of the model's one head with a loss; keep one of them"
+                )
+            return self._single_target
+        hint = (
+            "; a 'label' column goes to the head with a loss only when the model has exactly "
+            "one: name the column after its head's target"
+            if renamed
+            else ""
+        )
+        raise BatchError(
+            f"HeadedCollator: feature key {key!r} is neither a model input "
+            f"({', '.join(_TOKEN_INPUTS)}) nor a head target "
+            f"({', '.join(sorted(self._heads))}); remove that column from the data{hint}"
+        )
 
     def _pad_value(self, target: str) -> float:
         v = self.label_pad_value
@@ -207,7 +242,7 @@ class HeadedCollator:
         for cfg in self._heads.get(target, []):
             if cfg.loss_fct is None or pad != IGNORE_INDEX:
                 continue
-            if not LOSSES.get(cfg.loss_fct).ignores_minus_100:
+            if not minus_100_is_ignored(cfg):
                 raise BatchError(
                     f"HeadedCollator: feature {index} has no {target!r} label, and head "
                     f"{cfg.name!r} (loss_fct={cfg.loss_fct!r}) would train on the fill value "
@@ -267,8 +302,41 @@ def _is_token_level(cfgs: list) -> bool:
     return any(not c.pred_for_sequence for c in cfgs)
 
 
+def _checked_pad_values(value: Any) -> Any:
+    """``label_pad_value``: a finite number, or a mapping of target → finite number."""
+    items = value.items() if isinstance(value, Mapping) else [(None, value)]
+    for target, v in items:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            where = "" if target is None else f"[{target!r}]"
+            raise ConfigError(
+                f"HeadedCollator: label_pad_value{where}={v!r} is invalid; a finite number "
+                f"(default {IGNORE_INDEX}: ignored by the losses), or a dict of them by target"
+            )
+    return value
+
+
 def _as_1d(value: Any, field: str, index: int) -> torch.Tensor:
-    t = torch.as_tensor(np.asarray(value)) if not isinstance(value, torch.Tensor) else value
+    where = f"HeadedCollator: feature {index} has {field}"
+    if isinstance(value, (str, bytes)):
+        raise BatchError(
+            f"{where}={value!r:.60} ({type(value).__name__}); expected a 1-D list of integer "
+            "token ids (tokenize the text first)"
+        )
+    if isinstance(value, torch.Tensor):
+        t = value
+    else:
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError) as e:  # ragged nesting
+            raise BatchError(f"{where} that cannot become an array ({e})") from None
+        if arr.size and arr.dtype.kind not in "biuf":
+            raise BatchError(
+                f"{where} holding {arr.dtype} values ({value!r:.60}); expected a 1-D list of "
+                "integers"
+            )
+        t = torch.as_tensor(arr)
+    if t.dim() == 1 and t.numel() == 0:
+        raise BatchError(f"{where} empty ([]); expected at least one token id per example")
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
         raise BatchError(
             f"HeadedCollator: feature {index} has {field} of shape {tuple(t.shape)} and dtype "

@@ -26,20 +26,13 @@ from tqdm.auto import tqdm
 
 from .config import HeadConfig
 from .errors import BatchError
-from .losses import IGNORE_INDEX
-
-_BINARY_LOSSES = {"bce": 0.5, "bce_with_logits": 0.0}  # loss → decision threshold
+from .labels import keep_model_columns, loss_heads, route_labels, without_unused_labels
+from .losses import IGNORE_INDEX, counted_positions, fit_labels, task_of
 
 
 def head_kind(cfg: HeadConfig) -> str:
     """ "lm", "regression", "binary" or "classification": which metrics the head gets."""
-    if cfg.is_causal_lm:
-        return "lm"
-    if cfg.is_regression:
-        return "regression"
-    if cfg.loss_fct in _BINARY_LOSSES:
-        return "binary"
-    return "classification"
+    return task_of(cfg)
 
 
 class HeadMetric:
@@ -48,15 +41,19 @@ class HeadMetric:
 
     def __init__(self, cfg: HeadConfig) -> None:
         self.cfg = cfg
-        self.kind = head_kind(cfg)
+        self.kind = task_of(cfg)
         n = int(cfg.num_outputs or 1)
         self.n = n
         if self.kind == "classification":
             self.confusion = np.zeros((n, n), dtype=np.int64)  # [label, prediction]
         elif self.kind == "binary":
             self.counts = np.zeros((n, 4), dtype=np.int64)  # tp, fp, fn, tn per output
+            self.threshold = float(cfg.spec.threshold)
         elif self.kind == "regression":
-            self.sums = np.zeros((n, 5), dtype=np.float64)  # count, Σy, Σy², Σe², Σ|e|
+            # per output: count, mean of y, sum of squared deviations of y (merged batch by
+            # batch with Chan's parallel update: stable for labels with a large offset),
+            # sum of squared errors, sum of absolute errors
+            self.sums = np.zeros((n, 5), dtype=np.float64)
         else:
             self.nll = 0.0
             self.tokens = 0
@@ -65,54 +62,47 @@ class HeadMetric:
     def update(self, preds: Any, labels: Any, attention_mask: Any | None = None) -> HeadMetric:
         """Add one batch. ``attention_mask`` (batch, seq) masks padded tokens."""
         p = _tensor(preds)
-        y = _tensor(labels)
-        cfg = self.cfg
-        lead = p.shape[:-1]  # (batch,) or (batch, seq)
-        valid = torch.ones(lead, dtype=torch.bool)
-        if attention_mask is not None and not cfg.pred_for_sequence and cfg.ignore_pads:
-            m = _tensor(attention_mask).bool()
-            if tuple(m.shape) != tuple(lead):
-                raise BatchError(
-                    f"head {cfg.name!r}: attention_mask of shape {tuple(m.shape)} does not match "
-                    f"its predictions {tuple(p.shape)}"
-                )
-            valid = m
+        y = fit_labels(self.cfg, p, _tensor(labels))
+        mask = None if attention_mask is None else _tensor(attention_mask)
+        p, y, valid = counted_positions(self.cfg, p, y, mask)
         if self.kind in ("classification", "lm"):
-            if tuple(y.shape) != tuple(lead):
-                raise _shape_error(cfg, y, [tuple(lead)])
             y = y.long()
-            if self.kind == "lm":  # position t predicts token t+1
-                p, y, valid = p[:, :-1], y[:, 1:], valid[:, 1:]
             valid = valid & (y != IGNORE_INDEX)
             if self.kind == "lm":
                 self._update_lm(p, y, valid)
             else:
                 self._update_classes(p, y, valid)
             return self
-        if y.dim() == len(lead):
-            y = y.unsqueeze(-1)
-        if tuple(y.shape) != tuple(p.shape):
-            raise _shape_error(cfg, y, [tuple(p.shape)] + ([tuple(lead)] if self.n == 1 else []))
         y = y.double()
         elem = valid.unsqueeze(-1).expand_as(y) & (y != IGNORE_INDEX) & torch.isfinite(y)
         p = p.double().reshape(-1, self.n)
         y = y.reshape(-1, self.n)
         elem = elem.reshape(-1, self.n)
         if self.kind == "binary":
-            hat = p > _BINARY_LOSSES[cfg.loss_fct]
+            hat = p > self.threshold
             pos = y > 0.5
             for j, cell in enumerate((hat & pos, hat & ~pos, ~hat & pos, ~hat & ~pos)):
                 self.counts[:, j] += (cell & elem).sum(0).numpy()  # tp, fp, fn, tn
         else:
-            zero = torch.zeros_like(y)
-            yv = torch.where(elem, y, zero)
-            e = torch.where(elem, p - y, zero)
-            self.sums[:, 0] += elem.sum(0).double().numpy()
-            self.sums[:, 1] += yv.sum(0).numpy()
-            self.sums[:, 2] += (yv * yv).sum(0).numpy()
-            self.sums[:, 3] += (e * e).sum(0).numpy()
-            self.sums[:, 4] += e.abs().sum(0).numpy()
+            self._update_regression(p, y, elem)
         return self
+
+    def _update_regression(self, p: torch.Tensor, y: torch.Tensor, elem: torch.Tensor) -> None:
+        zero = torch.zeros_like(y)
+        n_b = elem.sum(0).double()  # (n,)
+        mean_b = torch.where(elem, y, zero).sum(0) / n_b.clamp(min=1)
+        dev = torch.where(elem, y - mean_b, zero)
+        m2_b = (dev * dev).sum(0)
+        e = torch.where(elem, p - y, zero)
+        n_a, mean_a, m2_a = (torch.from_numpy(self.sums[:, j].copy()) for j in range(3))
+        n = n_a + n_b
+        delta = mean_b - mean_a
+        safe_n = n.clamp(min=1)
+        self.sums[:, 0] = n.numpy()
+        self.sums[:, 1] = (mean_a + delta * n_b / safe_n).numpy()
+        self.sums[:, 2] = (m2_a + m2_b + delta * delta * n_a * n_b / safe_n).numpy()
+        self.sums[:, 3] += (e * e).sum(0).numpy()
+        self.sums[:, 4] += e.abs().sum(0).numpy()
 
     def _update_classes(self, p: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> None:
         y = y[valid]
@@ -158,12 +148,11 @@ class HeadMetric:
             f1 = np.where(denom > 0, 2 * tp / np.maximum(denom, 1), 0.0)
             return {"accuracy": float((tp + tn).sum() / total), "macro_f1": float(f1.mean())}
         if self.kind == "regression":
-            n, sy, syy, see, sae = (self.sums[:, j] for j in range(5))
+            n, _, ss_tot, see, sae = (self.sums[:, j] for j in range(5))
             cols = n > 0
             if not cols.any():
                 return {}
-            n, sy, syy, see, sae = n[cols], sy[cols], syy[cols], see[cols], sae[cols]
-            ss_tot = syy - sy * sy / n
+            n, ss_tot, see, sae = n[cols], ss_tot[cols], see[cols], sae[cols]
             r2 = np.where(
                 ss_tot > 0, 1 - see / np.where(ss_tot > 0, ss_tot, 1), np.where(see == 0, 1.0, 0.0)
             )
@@ -186,12 +175,14 @@ def compute_head_metrics(
 
 class HeadwiseMetrics:
     """A ``compute_metrics`` for ``transformers.Trainer``: reports ``<head>_<metric>`` (logged
-    as ``eval_<head>_<metric>``). Reads predictions as ``{head: array}`` (HeadedTrainer) or the
-    vanilla Trainer's tuple, whose last dict is ``preds_by_head``; labels as ``{target: array}``.
+    as ``eval_<head>_<metric>``) for every head that has a loss and labels. Reads predictions
+    as ``{head: array}`` and labels as ``{target: array}``, or, for a model with one head that
+    has a loss, that head's arrays (what Trainer and HeadedTrainer then pass).
     """
 
     def __init__(self, model: Any) -> None:
         self.head_configs: dict[str, HeadConfig] = dict(model.head_configs)
+        self._trained = loss_heads(self.head_configs)
         self._meters: dict[str, HeadMetric] | None = None
 
     def __call__(self, eval_pred: Any, compute_result: bool = True) -> dict[str, float]:
@@ -200,7 +191,12 @@ class HeadwiseMetrics:
         preds, labels = eval_pred.predictions, eval_pred.label_ids
         if isinstance(preds, (tuple, list)):
             dicts = [p for p in preds if isinstance(p, Mapping)]
-            preds = dicts[-1] if dicts else None
+            preds = dicts[-1] if dicts else preds[0]
+        if len(self._trained) == 1 and not isinstance(preds, Mapping):
+            preds = {self._trained[0]: preds}  # the one trained head's plain arrays
+            labels = None if labels is None else {"labels": labels}
+        if isinstance(labels, Mapping):
+            labels = route_labels(self.head_configs, dict(labels))
         if not isinstance(preds, Mapping) or not isinstance(labels, Mapping):
             raise BatchError(
                 "HeadwiseMetrics: predictions and label_ids must be dicts by head and by target "
@@ -208,11 +204,12 @@ class HeadwiseMetrics:
                 "HeadedCollator, which puts labels under batch['labels']"
             )
         if self._meters is None:
-            self._meters = {n: HeadMetric(c) for n, c in self.head_configs.items()}
+            self._meters = {n: HeadMetric(self.head_configs[n]) for n in self._trained}
         try:
-            for name, cfg in self.head_configs.items():
-                if name in preds and labels.get(cfg.target) is not None:
-                    self._meters[name].update(preds[name], labels[cfg.target])
+            for name, meter in self._meters.items():
+                y = labels.get(self.head_configs[name].target)
+                if name in preds and y is not None:
+                    meter.update(preds[name], y)
         except Exception:
             self._meters = None  # a failed evaluation must not leak into the next one
             raise
@@ -229,16 +226,19 @@ class HeadwiseMetrics:
 def evaluate_head_wise(
     model: Any,
     data: Iterable[Any],
-    *,
     collator: Any = None,
     batch_size: int = 8,
+    *,
     progress: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Evaluate every head that has labels in ``data`` → ``{head: {metric: value}}``.
 
     ``data``: a DataLoader (its batches are used as they are) or a dataset / list of feature
-    dicts, batched with ``collator`` (default ``HeadedCollator(model)``). Each head also gets
-    ``loss``: its loss averaged over the examples of the batches that had its labels.
+    dicts, batched with ``collator`` (default ``HeadedCollator(model)``; transformer-heads'
+    positional form ``evaluate_head_wise(model, dataset, collator)`` works). Columns that are
+    neither model inputs nor head targets are dropped first, as Trainer does, with a warning
+    naming them. Each head also gets ``loss``: its loss averaged over the examples of the
+    batches that had its labels.
     """
     if isinstance(data, DataLoader):
         loader: Iterable[Any] = data
@@ -249,6 +249,7 @@ def evaluate_head_wise(
             from .data import HeadedCollator
 
             collator = HeadedCollator(model)
+        data = keep_model_columns(data, model.head_configs, "evaluate_head_wise")
         loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collator)
     configs: dict[str, HeadConfig] = dict(model.head_configs)
     meters = {n: HeadMetric(c) for n, c in configs.items()}
@@ -261,12 +262,12 @@ def evaluate_head_wise(
         with torch.no_grad():
             for batch in tqdm(loader, desc="evaluate", disable=not progress):
                 batch = _to_device(batch, device)
-                out = model(**batch)
-                labels = batch.get("labels")
-                if not isinstance(labels, Mapping):
-                    labels = {
-                        c.target: batch[c.target] for c in configs.values() if c.target in batch
-                    }
+                # labels only loss-free heads read serve their metrics, not the model call
+                out = model(**without_unused_labels(batch, configs.values()))
+                targets = {c.target for c in configs.values()}
+                labels = route_labels(
+                    configs, {k: v for k, v in batch.items() if k == "labels" or k in targets}
+                )
                 mask = batch.get("attention_mask")
                 n = int(batch["input_ids"].shape[0]) if "input_ids" in batch else 1
                 for name, cfg in configs.items():
@@ -306,10 +307,3 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
-
-
-def _shape_error(cfg: HeadConfig, y: torch.Tensor, expected: list[tuple]) -> BatchError:
-    return BatchError(
-        f"head {cfg.name!r} (target {cfg.target!r}): labels of shape {tuple(y.shape)} do not "
-        f"fit its predictions; expected {' or '.join(str(e) for e in expected)}"
-    )

@@ -1,9 +1,13 @@
-"""HeadedModel: a Hugging Face backbone, left untouched, plus named heads on any of its layers."""
+"""HeadedModel: a Hugging Face backbone, left untouched, plus named heads on any of its layers.
+
+``forward`` reads top to bottom: route labels → backbone stage (``inputs.prepare_inputs`` and
+``run_stage``: checks, positions, only as deep as needed) → head inputs (each pooling computed
+once per layer and shared) → heads → objective (``losses.head_loss``) → weighting → output.
+"""
 
 from __future__ import annotations
 
-import functools
-import inspect
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,26 +19,31 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .backbone import BackboneInfo, base_model_of, inspect_backbone, run_backbone
+from .adapter_layers import (
+    adopt_adapters,
+    freeze_base,
+    keep_heads_in_adapter,
+    merge_adapters,
+    unwrap_peft_model,
+)
+from .backbone import BackboneInfo, base_model_of, inspect_backbone
+from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
-from .errors import BatchError, ConfigError, NonFiniteLossError
-from .heads import MLPHead
+from .errors import BatchError, CheckpointError, ConfigError, NonFiniteLossError
+from .generation import HeadedGenerationMixin
+from .heads import Head, HeadDict, build_head, get_submodule_by_name
+from .hf import PreTrainedConveniences, hide_head_dicts_from_trainer
+from .inputs import MODEL_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
+from .labels import ForwardWithTargets, route_labels, unused_targets
 from .losses import head_loss
+from .parallel import freeze_unreached, inside_strict_ddp, join_idle
+from .source import BackboneSource
+from .st import transformers_model_of
+from .tying import init_lm_head, tied_head_weights
 from .weighting import LossWeighting, build_weighting
 
-# Inputs HeadedModel.forward takes itself; a head's target may not use these names.
-MODEL_INPUTS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "past_key_values",
-    "inputs_embeds",
-    "token_type_ids",
-    "use_cache",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-)
+#: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
+DEFAULT_MAX_HEAD_PARAMETERS = 2**31
 
 
 @dataclass
@@ -45,9 +54,12 @@ class HeadedModelOutput(ModelOutput):
     (batch, seq, num_outputs) otherwise. ``loss`` is the sum of ``adapted_loss_by_head``
     (loss_weight × loss with the default weighting); heads without labels are absent from
     the loss dicts. ``cache`` (alias ``past_key_values``) is set when ``use_cache=True``.
+    ``logits`` is what Trainer hands to ``compute_metrics``: the predictions of the one head
+    with a loss, or ``preds_by_head`` when there are several (or none).
     """
 
     loss: torch.Tensor | None = None
+    logits: torch.Tensor | dict[str, torch.Tensor] | None = None
     loss_by_head: dict[str, torch.Tensor] | None = None
     adapted_loss_by_head: dict[str, torch.Tensor] | None = None
     preds_by_head: dict[str, torch.Tensor] | None = None
@@ -60,17 +72,36 @@ class HeadedModelOutput(ModelOutput):
         return self.cache
 
 
-class HeadedModel(nn.Module):
+class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     """A transformer backbone with named heads.
 
-    ``model`` may be a bare transformer (``BertModel``) or a task model (``GPT2LMHeadModel``,
-    ``BertForSequenceClassification``): its bare transformer becomes ``self.backbone``, and a
+    ``model`` may be a bare transformer (``BertModel``), a task model (``GPT2LMHeadModel``,
+    ``BertForSequenceClassification``) or a ``SentenceTransformer`` (its Transformer module's
+    model): its bare transformer becomes ``self.backbone``, and a
     head named ``lm_head`` with ``is_causal_lm=True`` starts from the task model's output
-    embeddings, so its predictions equal the original LM logits. The backbone is not
-    modified (only frozen if asked), so peft and generation utilities can wrap it.
+    embeddings, so its predictions equal the original LM logits (a frozen one of a frozen backbone
+    that ties it to its input embeddings shares that matrix). The backbone is not
+    modified (only frozen, and then put in eval mode, if asked; the per-head output dicts
+    are added to its config's ``keys_to_ignore_at_inference`` for Trainer), so peft and
+    generation utilities can wrap it.
+
+    LoRA: ``model`` may be a ``PeftModel`` or a model with peft adapters injected (see
+    ``headkit.lora``); the adapted bare transformer becomes the backbone, and
+    ``freeze_base_model=True`` freezes everything *except* the adapters, which stay
+    trainable. Checkpoints then hold the adapter, not the backbone.
 
     Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
     not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
+    ``layers_path`` names the block stack when inspection cannot find it; ``source`` records
+    where the backbone was loaded from (set by the loaders) so that a frozen, unchanged
+    backbone is referenced by checkpoints instead of copied. ``check_inputs=False`` skips
+    the per-batch input checks (for ``torch.compile`` and hot loops). With a trainable
+    backbone and early exit, the blocks after the deepest hooked layer never run and are
+    frozen (see ``parallel.freeze_unreached``).
+
+    A label for a target that only loss-free heads (``loss_fct=None``) read is a BatchError
+    (it would be ignored) unless ``allow_unused_labels=True``. A head of more than
+    ``max_head_parameters`` parameters is refused before it is allocated.
     """
 
     # HF Trainer passes ``num_items_in_batch`` to models whose forward has ``**kwargs`` and then
@@ -80,14 +111,21 @@ class HeadedModel(nn.Module):
     def __init__(
         self,
         model: PreTrainedModel,
-        head_configs: Sequence[HeadConfig | dict],
+        head_configs: Sequence[HeadConfig | dict] | HeadConfig | dict,
         *,
         freeze_base_model: bool = True,
-        loss_weighting: str | LossWeighting = "fixed",
+        loss_weighting: str | dict | LossWeighting = "fixed",
         nonfinite_loss: str = "raise",
         early_exit: bool = True,
+        check_inputs: bool = True,
+        layers_path: str | None = None,
+        source: BackboneSource | None = None,
+        allow_unused_labels: bool = False,
+        max_head_parameters: int = DEFAULT_MAX_HEAD_PARAMETERS,
     ) -> None:
         super().__init__()
+        model = transformers_model_of(model)  # a SentenceTransformer: its transformer
+        model = unwrap_peft_model(model)  # a PeftModel: its adapted model (adapters injected)
         if not isinstance(model, PreTrainedModel):
             raise ConfigError(
                 f"model must be a transformers PreTrainedModel, got {type(model).__name__}"
@@ -95,11 +133,19 @@ class HeadedModel(nn.Module):
         if nonfinite_loss not in ("raise", "skip"):
             raise ConfigError(f"nonfinite_loss={nonfinite_loss!r} is invalid; 'raise' or 'skip'")
         self.backbone: PreTrainedModel = base_model_of(model)
-        self.info: BackboneInfo = inspect_backbone(self.backbone)
+        adopt_adapters(model, self.backbone)  # adapters only inside the backbone
+        self.info: BackboneInfo = inspect_backbone(self.backbone, layers_path)
+        self.layers_path = layers_path
+        self.source = source
         self.early_exit = early_exit
+        self.check_inputs = check_inputs
         self.nonfinite_loss = nonfinite_loss
+        self.allow_unused_labels = bool(allow_unused_labels)
+        self.max_head_parameters = _check_budget(max_head_parameters)
         self.head_configs: dict[str, HeadConfig] = {}
         self._hooks: dict[str, int] = {}
+        if isinstance(head_configs, (HeadConfig, Mapping)):  # one head: a list of one
+            head_configs = [head_configs]
         for cfg in head_configs:
             cfg = HeadConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
             if not isinstance(cfg, HeadConfig):
@@ -109,20 +155,28 @@ class HeadedModel(nn.Module):
             self._hooks[cfg.name] = self.info.resolve_hook(cfg.layer_hook, cfg.name)
         self._check_targets()
         device = _device_of(self.backbone)
-        self.heads = nn.ModuleDict(
-            {n: MLPHead(c, self.info.pooler_size).to(device) for n, c in self.head_configs.items()}
+        pooler, pooler_size = self.info.pooler, self.info.pooler_size
+        budget = self.max_head_parameters
+        self.heads = HeadDict(
+            {
+                n: build_head(c, pooler_size, pooler, budget).to(device)
+                for n, c in self.head_configs.items()
+            }
         )
+        #: ``generate``'s defaults: those of the task model (None: from the backbone's config)
+        self.generation_config = getattr(model, "generation_config", None)
         if model is not self.backbone:
-            self._init_lm_head(model)
+            frozen = freeze_base_model or not any(p.requires_grad for p in model.parameters())
+            init_lm_head(self.heads, self.head_configs, self.backbone, model, frozen)
         if freeze_base_model:
-            self.backbone.requires_grad_(False)
+            freeze_base(self.backbone)  # LoRA adapters, if any, stay trainable
+            self.backbone.eval()  # no dropout noise in features nothing learns from
+        else:
+            freeze_unreached(self)
+        hide_head_dicts_from_trainer(self.backbone.config)
         self.set_loss_weighting(loss_weighting)
-        # Where the backbone came from (set by the loaders), so a frozen, unchanged backbone
-        # can be referenced instead of copied into checkpoints.
-        self.backbone_source: dict[str, Any] | None = None
-        self.backbone_fingerprint: str | None = None
-        # ``model.forward`` advertises the heads' targets (see _ForwardWithTargets).
-        self.forward = _ForwardWithTargets(type(self).forward, self)
+        # ``model.forward`` advertises the heads' targets (see labels.ForwardWithTargets).
+        self.forward = ForwardWithTargets(type(self).forward, self)
 
     # ------------------------------------------------------------------ construction
     def _resolve(self, cfg: HeadConfig) -> HeadConfig:
@@ -160,7 +214,8 @@ class HeadedModel(nn.Module):
         return cfg
 
     def _check_targets(self) -> None:
-        reserved = set(MODEL_INPUTS) | (self.info.forward_params - {"kwargs", "args"})
+        # "self": forward's first parameter cannot also be a keyword label
+        reserved = {"self", *MODEL_INPUTS} | (self.info.forward_params - {"kwargs", "args"})
         for cfg in self.head_configs.values():
             if cfg.target in reserved:
                 raise ConfigError(
@@ -168,40 +223,28 @@ class HeadedModel(nn.Module):
                     f"input name; choose another (reserved: {', '.join(sorted(reserved))})"
                 )
 
-    @torch.no_grad()
-    def _init_lm_head(self, task_model: PreTrainedModel) -> None:
-        cfg = self.head_configs.get("lm_head")
-        if cfg is None or not cfg.is_causal_lm or cfg.num_layers != 1:
-            return
-        out = task_model.get_output_embeddings()
-        lin = self.heads["lm_head"].linears[0]
-        if not isinstance(out, nn.Linear) or out.weight.shape != lin.weight.shape:
-            return
-        lin.weight.copy_(out.weight)
-        if lin.bias is not None:
-            if out.bias is not None:
-                lin.bias.copy_(out.bias)
-            else:
-                lin.bias.zero_()
-
     def train(self, mode: bool = True) -> HeadedModel:
         """Set train/eval mode; a fully frozen backbone stays in eval mode.
 
         Its dropout would only add noise to features nothing learns from, make losses
         depend on how batches are split, and break the equivalence with cached features.
-        A backbone with any trainable parameter (fine-tuning, LoRA) follows ``mode``.
+        A backbone with trainable parameters (fine-tuning, LoRA) follows ``mode``.
         """
         super().train(mode)
         if mode and not any(p.requires_grad for p in self.backbone.parameters()):
             self.backbone.eval()
         return self
 
-    def set_loss_weighting(self, scheme: str | LossWeighting, **kwargs: Any) -> None:
-        """Choose how head losses combine: "fixed", "adaptive", "uncertainty" or a module."""
+    def set_loss_weighting(self, scheme: str | dict | LossWeighting, **kwargs: Any) -> None:
+        """Choose how head losses combine: "fixed", "adaptive", "uncertainty" (a name, or a
+        dict ``{"name": ..., **options}``) or a ``LossWeighting`` module."""
         weights = {n: c.loss_weight for n, c in self.head_configs.items()}
         if isinstance(scheme, LossWeighting):
             self.loss_weighting = scheme
         else:
+            if isinstance(scheme, Mapping):
+                kwargs = {**{k: v for k, v in scheme.items() if k != "name"}, **kwargs}
+                scheme = scheme.get("name", "fixed")
             self.loss_weighting = build_weighting(scheme, weights, **kwargs)
         self.loss_weighting.to(_device_of(self.backbone))
 
@@ -214,6 +257,30 @@ class HeadedModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return _device_of(self.backbone)
+
+    @property
+    def peft_config(self) -> dict:
+        """Set by peft when it wraps this model (``get_peft_model(headed_model, config)``);
+        setting it keeps every head and the loss weighting trainable and in the saved adapter."""
+        try:
+            return self.__dict__["peft_config"]
+        except KeyError:
+            raise AttributeError("peft_config") from None
+
+    @peft_config.setter
+    def peft_config(self, configs: dict) -> None:
+        keep_heads_in_adapter(self, configs)
+        self.__dict__["peft_config"] = configs
+
+    @peft_config.deleter
+    def peft_config(self) -> None:
+        self.__dict__.pop("peft_config", None)
+
+    def merge_and_unload(self) -> HeadedModel:
+        """Merge the backbone's LoRA adapters into its weights and remove them, in place: a
+        plain HeadedModel with the same predictions (its checkpoints then copy the backbone)."""
+        merge_adapters(self)
+        return self
 
     def hooked_layers(self) -> dict[str, int]:
         """Each head's resolved index into hidden_states (0..num_layers)."""
@@ -237,98 +304,95 @@ class HeadedModel(nn.Module):
         """Run the backbone (only as deep as needed), every head, and the losses.
 
         ``labels`` are passed by each head's ``target``; a head without its label gets no
-        loss. Padding comes from ``attention_mask`` (no mask: every token counts).
+        loss. Padding comes from ``attention_mask`` (no mask: every token counts); with a
+        KV cache the mask may cover ``past + new`` positions, as in generation.
         ``labels={target: tensor, ...}`` (a mapping) is accepted too: it is what HF Trainer
         recognises as the batch's labels (it looks for a key named "labels").
         """
-        if isinstance(labels.get("labels"), Mapping):
-            labels = {**labels.pop("labels"), **labels}
-        unknown = [k for k in labels if k not in {c.target for c in self.head_configs.values()}]
-        if unknown:
-            targets = sorted({c.target for c in self.head_configs.values()})
-            raise BatchError(
-                f"unexpected batch key(s) {unknown}: not a model input and no head has that "
-                f"target; targets: {targets}; inputs: {list(MODEL_INPUTS)}"
-            )
-        _check_inputs(
-            self.backbone, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids
+        labels = self._route_labels(labels)
+        inputs = prepare_inputs(
+            self.backbone,
+            self.info,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            check=self.check_inputs,
         )
-        inputs: dict[str, Any] = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "past_key_values": past_key_values,
-            "inputs_embeds": inputs_embeds,
-            "token_type_ids": token_type_ids,
-            "output_attentions": output_attentions,
-            "output_hidden_states": output_hidden_states,
-        }
-        if (
-            self.info.is_decoder
-            and position_ids is None
-            and past_key_values is None
-            and attention_mask is not None
-        ):
-            # Left padding: positions count real tokens only, as generate() does.
-            inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        params = self.info.forward_params
-        if "past_key_values" not in params and "cache" in params:  # transformers >= 5.2x name
-            inputs["cache"] = inputs.pop("past_key_values")
-        # output_* flags are read from **kwargs by transformers 5 models, not named parameters.
-        via_kwargs = {"output_attentions", "output_hidden_states"} if "kwargs" in params else set()
-        inputs = {
-            k: v for k, v in inputs.items() if v is not None and (k in params or k in via_kwargs)
-        }
-        if "use_cache" in params:
-            inputs["use_cache"] = bool(use_cache)
         full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
-        try:
-            captured, out = run_backbone(
-                self.backbone, self.info, set(self._hooks.values()), not full, inputs
-            )
-        except IndexError as e:  # an embedding lookup (positions, token types) out of range
-            shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape)
-            limits = {
-                "max_position_embeddings": _config_value(
-                    self.backbone, "max_position_embeddings", "n_positions"
-                ),
-                "type_vocab_size": _config_value(self.backbone, "type_vocab_size"),
-            }
-            allowed = ", ".join(f"{k}={v}" for k, v in limits.items() if v is not None)
-            raise BatchError(
-                f"the backbone rejected an index in the batch ({e}); input shape {shape}: "
-                f"sequence length, position_ids and token_type_ids must stay within "
-                f"{allowed or 'the backbone config'}"
-            ) from e
-
-        preds: dict[str, torch.Tensor] = {}
-        losses: dict[str, torch.Tensor] = {}
-        for name, head in self.heads.items():
-            cfg = self.head_configs[name]
-            hidden = captured[self._hooks[name]]
-            p = head(hidden, attention_mask, self.info.pooler)
-            preds[name] = p
-            y = labels.get(cfg.target)
-            if y is not None and cfg.loss_fct is not None:
-                losses[name] = head_loss(cfg, p, y, attention_mask)
+        wanted = set(self._hooks.values())
+        captured, out = run_stage(self.backbone, self.info, inputs, wanted, not full)
+        features = self.head_inputs(captured, inputs.mask)
+        preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
+        losses = self.head_losses(preds, labels, inputs.mask)
         loss, adapted = self.combine_losses(losses)
-        if loss is not None and self.training and torch.is_grad_enabled():
-            # DDP (find_unused_parameters=False) needs every trainable parameter in each step's
-            # graph: heads without labels in this batch, and the loss weighting, join with an
-            # exact zero (nan_to_num keeps it zero even for non-finite predictions).
-            idle = [p for n, p in preds.items() if n not in adapted and p.requires_grad]
-            idle += [p for p in self.loss_weighting.parameters() if p.requires_grad]
-            for t in idle:
-                loss = loss + (t * 0.0).nan_to_num(0.0, 0.0, 0.0).sum()
+        if self.training and torch.is_grad_enabled() and inside_strict_ddp():
+            loss = join_idle(self, loss, preds, set(adapted))
+        trained = [n for n, c in self.head_configs.items() if c.loss_fct is not None]
         return HeadedModelOutput(
             loss=loss,
+            logits=preds[trained[0]] if len(trained) == 1 else preds,
             loss_by_head=losses,
             adapted_loss_by_head=adapted,
             preds_by_head=preds,
-            cache=getattr(out, "past_key_values", None) if use_cache and out is not None else None,
+            cache=_cache_of(out) if use_cache and out is not None else None,
             hidden_states=getattr(out, "hidden_states", None) if out is not None else None,
             attentions=getattr(out, "attentions", None) if out is not None else None,
         )
+
+    def _route_labels(self, labels: dict[str, Any]) -> dict[str, Any]:
+        """Flatten ``labels={target: ...}``, give a ``labels`` tensor to the one head with a
+        loss, and refuse keys that are no head's target (``labels.route_labels``)."""
+        targets = {c.target for c in self.head_configs.values()}
+        labels = route_labels(self.head_configs, drop_tokenizer_extras(labels, targets))
+        given = [k for k, v in labels.items() if v is not None]
+        unused = unused_targets(self.head_configs.values(), given)
+        if unused and not self.allow_unused_labels:
+            raise BatchError(
+                f"label(s) for target(s) {sorted(unused)} would be ignored: only head(s) "
+                f"{sorted(n for ns in unused.values() for n in ns)} read them, and they have "
+                "loss_fct=None; remove them from the batch, give the head a loss, or build "
+                "the model with allow_unused_labels=True"
+            )
+        return labels
+
+    def head_inputs(
+        self, captured: dict[int, torch.Tensor], mask: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Each head's input from the hooked states; a parameter-free pooling is computed once
+        per (layer, pooling) and shared by the heads that ask for it."""
+        shared: dict[tuple, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, head in self.heads.items():
+            layer = self._hooks[name]
+            key = head.pooling_key if isinstance(head, Head) else None
+            if key is None:
+                out[name] = head.features(captured[layer], mask)
+                continue
+            key = (layer, *key)
+            if key not in shared:
+                shared[key] = head.features(captured[layer], mask)
+            out[name] = shared[key]
+        return out
+
+    def head_losses(
+        self,
+        preds: dict[str, torch.Tensor],
+        labels: Mapping[str, Any],
+        mask: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """Each head's loss, for the heads that have a loss and a label in ``labels``."""
+        losses: dict[str, torch.Tensor] = {}
+        for name, cfg in self.head_configs.items():
+            y = labels.get(cfg.target)
+            if y is not None and cfg.loss_fct is not None:
+                losses[name] = head_loss(cfg, preds[name], y, mask)
+        return losses
 
     def combine_losses(
         self, losses: dict[str, torch.Tensor]
@@ -347,153 +411,68 @@ class HeadedModel(nn.Module):
                 losses = {k: v for k, v in losses.items() if k != name}
         adapted = self.loss_weighting(losses)
         total = sum(adapted.values()) if adapted else None
+        if total is not None and not bool(torch.isfinite(total).all()):
+            parts = ", ".join(f"{n}: {float(v.detach()):g}" for n, v in adapted.items())
+            if self.nonfinite_loss == "raise":
+                raise NonFiniteLossError(
+                    f"the total loss of heads {sorted(adapted)} is non-finite "
+                    f"({float(total.detach())}) although each head's loss is finite (weighted: "
+                    f"{parts}); lower their loss_weight, or pass nonfinite_loss='skip' to "
+                    "HeadedModel to skip such steps"
+                )
+            warnings.warn(
+                f"heads {sorted(adapted)}: non-finite total loss ({parts}); step skipped",
+                stacklevel=3,
+            )
+            return None, adapted
         return total, adapted
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
-        """Atomically write head_configs.json, the heads (safetensors) and, unless frozen
-        and unchanged since loading, the backbone."""
-        from .checkpoint import save_checkpoint
-
+        """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
+        backbone carries one, and, unless frozen and unchanged since loading, the backbone."""
         save_checkpoint(self, save_directory, **kwargs)
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:
         """Load a checkpoint written by ``save_pretrained`` (safetensors and JSON only)."""
-        from .checkpoint import load_checkpoint
+        if not isinstance(checkpoint_dir, (str, PathLike)):
+            raise CheckpointError(
+                f"checkpoint_dir={checkpoint_dir!r:.100} is a {type(checkpoint_dir).__name__}; "
+                "expected a folder path (str or os.PathLike)"
+            )
+        return restore(checkpoint_dir, model_cls=cls, **kwargs)
 
-        return load_checkpoint(checkpoint_dir, **kwargs)
+    def get_submodule(self, target: str) -> nn.Module:
+        """``nn.Module.get_submodule``, also for heads named like module attributes
+        (``"heads.type"``)."""
+        return get_submodule_by_name(self, target)
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters and buffers headkit adds (heads and loss weighting)."""
+        """The parameters and buffers headkit adds (heads and loss weighting); a head weight
+        tied to the backbone's input embeddings is the backbone's, not listed here."""
+        tied = set(tied_head_weights(self.backbone, self.heads))
         sd = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        sd = {k: v for k, v in sd.items() if k not in tied}
         sd.update({f"loss_weighting.{k}": v for k, v in self.loss_weighting.state_dict().items()})
         return sd
 
 
-class _ForwardWithTargets(functools.partial):
-    """``HeadedModel.forward`` bound to one model, whose signature also lists the head targets.
-
-    Targets travel through ``**labels``; HF Trainer keeps only the dataset columns named in
-    ``inspect.signature(model.forward)`` (``remove_unused_columns``), so they are listed as
-    keyword-only parameters, read from the model's current heads at every inspection.
-    """
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        model = self.args[0]
-        sig = inspect.signature(self.func)
-        params = list(sig.parameters.values())[1:]  # drop self
-        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
-        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        taken = {p.name for p in params} | {p.name for p in var_kw}
-        targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
-        params += [
-            inspect.Parameter(t, inspect.Parameter.KEYWORD_ONLY, default=None)
-            for t in targets
-            if t not in taken
-        ]
-        return sig.replace(parameters=params + var_kw)
-
-
-def _config_value(backbone: PreTrainedModel, *names: str) -> Any:
-    for n in names:
-        if getattr(backbone.config, n, None) is not None:
-            return getattr(backbone.config, n)
-    return None
-
-
-def _int_ids(name: str, value: Any, shape: tuple[int, ...] | None) -> None:
-    """``value`` must be an integer (not bool) tensor; of ``shape`` when given."""
-    if not isinstance(value, torch.Tensor):
-        raise BatchError(
-            f"{name} must be a torch.Tensor, got {type(value).__name__}; "
-            "use tokenizer(..., return_tensors='pt')"
+def _check_budget(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(
+            f"max_head_parameters={value!r} is invalid; a positive integer, or None for no limit"
         )
-    if value.dtype not in (torch.int64, torch.int32):  # what embedding lookups accept
-        raise BatchError(
-            f"{name} must hold integer ids of dtype torch.int64 or torch.int32, got {value.dtype}"
-        )
-    if shape is not None and tuple(value.shape) != shape:
-        raise BatchError(
-            f"{name} of shape {tuple(value.shape)} does not match the inputs; expected {shape}"
-        )
+    return int(value)
 
 
-def _check_inputs(
-    backbone: PreTrainedModel,
-    input_ids: Any,
-    inputs_embeds: Any,
-    attention_mask: Any,
-    position_ids: Any,
-    token_type_ids: Any,
-) -> None:
-    """Raise BatchError naming the field, value and what is allowed for malformed inputs."""
-    if input_ids is not None and inputs_embeds is not None:
-        raise BatchError("pass input_ids or inputs_embeds, not both")
-    if input_ids is None and inputs_embeds is None:
-        raise BatchError("the batch needs input_ids or inputs_embeds")
-    try:
-        emb = backbone.get_input_embeddings()
-    except (NotImplementedError, AttributeError):  # exotic models: skip the width/vocab checks
-        emb = None
-    if input_ids is not None:
-        _int_ids("input_ids", input_ids, None)
-        ref = input_ids
-    else:
-        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
-            raise BatchError(
-                f"inputs_embeds must be a floating-point torch.Tensor, got "
-                f"{getattr(inputs_embeds, 'dtype', type(inputs_embeds).__name__)}"
-            )
-        ref = inputs_embeds
-    want_dim = 2 if input_ids is not None else 3
-    if ref.dim() != want_dim or ref.shape[0] == 0 or ref.shape[1] == 0:
-        what = "input_ids" if input_ids is not None else "inputs_embeds"
-        expected = "2-D (batch >= 1, seq >= 1)" if want_dim == 2 else "3-D (batch, seq, hidden)"
-        raise BatchError(
-            f"empty or malformed batch: {what} of shape {tuple(ref.shape)}; expected {expected}"
-        )
-    width = getattr(emb, "embedding_dim", None)
-    if inputs_embeds is not None and width is not None and inputs_embeds.shape[-1] != width:
-        raise BatchError(
-            f"inputs_embeds of width {inputs_embeds.shape[-1]} do not match the backbone's "
-            f"embedding width {width}"
-        )
-    vocab = getattr(emb, "num_embeddings", None)
-    if input_ids is not None and vocab is not None and input_ids.device.type != "meta":
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= vocab:
-            raise BatchError(
-                f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary; "
-                f"allowed: 0..{vocab - 1} (the backbone's input embeddings have {vocab} rows)"
-            )
-    batch_seq = tuple(ref.shape[:2])
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor):
-            raise BatchError(
-                f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
-            )
-        if tuple(attention_mask.shape) != batch_seq:
-            raise BatchError(
-                f"attention_mask of shape {tuple(attention_mask.shape)} does not match the "
-                f"inputs {batch_seq}"
-            )
-        odd = (attention_mask != 0) & (attention_mask != 1)
-        if attention_mask.device.type != "meta" and bool(odd.any()):
-            raise BatchError(
-                f"attention_mask holds {attention_mask[odd][0].item()!r}; allowed: 0 (padding) "
-                "or 1 (token)"
-            )
-    if token_type_ids is not None:
-        _int_ids("token_type_ids", token_type_ids, batch_seq)
-    if position_ids is not None:
-        _int_ids("position_ids", position_ids, None)
-        if position_ids.shape not in (batch_seq, (1, batch_seq[1])):
-            raise BatchError(
-                f"position_ids of shape {tuple(position_ids.shape)} does not match the inputs; "
-                f"expected {batch_seq} or {(1, batch_seq[1])}"
-            )
+def _cache_of(out: Any) -> Any:
+    """The KV cache of a backbone output: ``cache`` (transformers >= 5.2x; its deprecated alias
+    ``past_key_values`` warns) or ``past_key_values`` (earlier versions)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -4,12 +4,16 @@ Every strategy reads padding from the attention mask (never from pad ids), so ri
 padding, left padding, pad == eos and one-token sequences all work. None writes into the
 hidden states it is given, and padded positions are selected away with ``torch.where``
 rather than multiplied by 0, so NaN or inf at padded positions cannot leak into a result.
-Strategies are registered by name (``POOLINGS``) and can be concatenated with "+"
-("mean+max"); aliases: "cls" → "first". See docs/pooling.md for which one to use.
+Averages (mean, mean_sqrt_len, weighted_mean) accumulate in float32 or wider and never
+overflow where the exact answer is finite; for half-precision states they return float32
+(a concatenation with selections is promoted to it). Strategies are registered by name
+(``POOLINGS``) and can be concatenated with "+" ("mean+max"); aliases: "cls" → "first".
+See docs/pooling.md for which one to use.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -48,16 +52,31 @@ def _keep(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    """Sum half-precision states in float32 (a sum of 64 fp16 states may overflow)."""
+    """Average half-precision states in float32 (a sum of 64 fp16 states may overflow, and so
+    may a mean_sqrt_len result): averaging strategies return float32 for half inputs."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _masked_weighted_sum(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_t weights[b, t] * hidden[b, t] over positions with weight != 0. (batch, hidden)"""
+def _masked_weighted_mean(
+    hidden: torch.Tensor, weights: torch.Tensor, norm: torch.Tensor
+) -> torch.Tensor:
+    """sum_t weights[b, t] * hidden[b, t] / norm[b] over positions with weight != 0, in float32
+    or wider. (batch, hidden)
+
+    No intermediate overflows while the result is finite: each (row, dim) is scaled by a power
+    of two at least its largest |value| before summing and scaled back after dividing. Powers of
+    two commute with rounding, so the result is bit-identical to the plain sum when that one
+    does not overflow.
+    """
     acc = _accumulator(hidden.dtype)
     w = weights.to(acc).unsqueeze(-1)  # (batch, seq, 1)
     h = torch.where(w != 0, hidden.to(acc), torch.zeros((), dtype=acc, device=hidden.device))
-    return (h * w).sum(1)
+    top = h.abs().amax(1)  # (batch, hidden)
+    exp = torch.frexp(top).exponent  # top < 2**exp
+    exp = torch.where(torch.isfinite(top), exp, 0).clamp(min=0)  # only ever scale down
+    total = (torch.ldexp(h, -exp.unsqueeze(1)) * w).sum(1) / norm.to(acc)
+    half = exp // 2  # two steps: 2**exp alone may not be representable (2**128 in float32)
+    return torch.ldexp(torch.ldexp(total, exp - half), half)
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
@@ -136,47 +155,47 @@ class BackbonePooler(PoolingStrategy):
         return out[0] if isinstance(out, tuple) else out
 
 
-def _masked_sum_and_count(
-    hidden: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum over real tokens (batch, hidden) and their count (batch, 1), at least 1."""
-    m = mask.bool()
-    total = _masked_weighted_sum(hidden, m)
-    return total, m.sum(1, keepdim=True).clamp(min=1).to(total.dtype)
+def _real_count(mask: torch.Tensor) -> torch.Tensor:
+    """Real tokens per row (batch, 1), at least 1 (an all-padding row pools to 0)."""
+    return mask.bool().sum(1, keepdim=True).clamp(min=1)
 
 
 @POOLINGS.register("mean")
 class MeanPooling(PoolingStrategy):
-    """Mean over non-padding tokens (sentence-transformers' default)."""
+    """Mean over non-padding tokens (sentence-transformers' default); float32 for half inputs."""
 
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
     ) -> torch.Tensor:
-        total, count = _masked_sum_and_count(hidden, mask)
-        return (total / count).to(hidden.dtype)
+        return _masked_weighted_mean(hidden, mask.bool(), _real_count(mask))
 
 
 @POOLINGS.register("mean_sqrt_len")
 class MeanSqrtLenPooling(PoolingStrategy):
-    """Sum over non-padding tokens divided by sqrt(length) (sentence-transformers' name)."""
+    """Sum over non-padding tokens divided by sqrt(length) (sentence-transformers' name);
+    float32 for half inputs (the result may exceed the half range: 4,096 tokens of 2,000)."""
 
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
     ) -> torch.Tensor:
-        total, count = _masked_sum_and_count(hidden, mask)
-        return (total / count.sqrt()).to(hidden.dtype)
+        count = _real_count(mask).to(_accumulator(hidden.dtype))
+        return _masked_weighted_mean(hidden, mask.bool(), count.sqrt())
 
 
 @POOLINGS.register("max")
 class MaxPooling(PoolingStrategy):
-    """Element-wise max over non-padding tokens; padding never wins (0 for an empty row)."""
+    """Element-wise max over non-padding tokens; padding never wins (0 for an empty row).
+
+    A dimension whose real tokens are all -inf gives -inf, whether or not the row has padding.
+    """
 
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
     ) -> torch.Tensor:
         keep = _keep(mask)
-        lowest = torch.full((), torch.finfo(hidden.dtype).min, dtype=hidden.dtype)
-        out = torch.where(keep, hidden, lowest.to(hidden.device)).max(1).values
+        # -inf, not finfo.min: a dimension whose real tokens are all -inf is -inf, padded or not
+        lowest = torch.full((), -math.inf, dtype=hidden.dtype, device=hidden.device)
+        out = torch.where(keep, hidden, lowest).max(1).values
         return torch.where(keep.any(1), out, torch.zeros_like(out))
 
 
@@ -186,6 +205,7 @@ class WeightedMeanPooling(PoolingStrategy):
 
     Weights count real tokens only, so left and right padding give the same result (as
     sentence-transformers' "weightedmean" does since it starts at the first real token).
+    float32 for half inputs.
     """
 
     def forward(
@@ -193,9 +213,8 @@ class WeightedMeanPooling(PoolingStrategy):
     ) -> torch.Tensor:
         m = mask.long()
         weights = m.cumsum(-1) * m  # (batch, seq): 1..n on real tokens, 0 on padding
-        total = _masked_weighted_sum(hidden, weights)
-        norm = weights.sum(1, keepdim=True).clamp(min=1).to(total.dtype)
-        return (total / norm).to(hidden.dtype)
+        norm = weights.sum(1, keepdim=True).clamp(min=1)
+        return _masked_weighted_mean(hidden, weights, norm)
 
 
 @POOLINGS.register("attention")
@@ -226,17 +245,30 @@ class AttentionPooling(PoolingStrategy):
 class SequencePooling(nn.Module):
     """Concatenation of one or more strategies; ``out_size`` is the sum of their widths.
 
-    ``pooler_size`` is the output width of the backbone's pooler ("pooler" strategy).
+    ``pooler_size`` is the output width of the backbone's pooler ("pooler" strategy) and
+    ``pooler`` the module itself: it is bound here, where it is used, without becoming a
+    submodule (it belongs to the backbone: it is neither saved with the head nor moved by it).
+    Only strategies that need it receive it.
     """
 
     def __init__(
-        self, strategies: list[str], hidden_size: int, pooler_size: int | None = None
+        self,
+        strategies: list[str],
+        hidden_size: int,
+        pooler_size: int | None = None,
+        pooler: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.names = list(strategies)
         self.strategies = nn.ModuleDict({n: POOLINGS.get(n)(hidden_size) for n in self.names})
         self.hidden_size = hidden_size
         self.pooler_size = pooler_size
+        self._bound = (pooler,)  # a tuple: nn.Module does not register it as a submodule
+
+    @property
+    def pooler(self) -> nn.Module | None:
+        """The backbone's pooler bound at construction (None when there is none)."""
+        return self._bound[0]
 
     @property
     def widths(self) -> dict[str, int]:
@@ -254,10 +286,17 @@ class SequencePooling(nn.Module):
     def needs_pooler(self) -> bool:
         return any(s.needs_pooler for s in self.strategies.values())
 
+    @property
+    def has_parameters(self) -> bool:
+        """Whether any strategy learns (then its output cannot be shared between heads)."""
+        return any(True for _ in self.strategies.parameters())
+
     def forward(
         self, hidden: torch.Tensor, mask: torch.Tensor | None, pooler: nn.Module | None = None
     ) -> torch.Tensor:
-        """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count."""
+        """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count.
+
+        ``pooler`` overrides the bound one (for pooling outside a HeadedModel)."""
         if hidden.dim() != 3:
             raise BatchError(
                 f"pooling needs hidden states of shape (batch, seq, hidden), got "
@@ -271,8 +310,15 @@ class SequencePooling(nn.Module):
                 f"{tuple(hidden.shape[:2])} (batch, seq)"
             )
         mask = mask.to(hidden.device)
-        parts = [s(hidden, mask, pooler) for s in self.strategies.values()]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        pooler = pooler if pooler is not None else self.pooler
+        parts = [
+            s(hidden, mask, pooler) if s.needs_pooler else s(hidden, mask)
+            for s in self.strategies.values()
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
+        return torch.cat([p.to(dtype) for p in parts], dim=-1)
 
     def split(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
         """Cut a concatenated (batch, out_size) output back into one tensor per strategy."""

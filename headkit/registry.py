@@ -35,6 +35,12 @@ class Registry(Generic[T]):
 
         return _add(item) if item is not None else _add
 
+    def remove(self, name: str) -> T:
+        """Unregister ``name`` and return what was registered (ConfigError if unknown)."""
+        item = self.get(name)
+        del self._items[name.lower()]
+        return item
+
     def get(self, name: str) -> T:
         """Return the builder for ``name`` (case-insensitive) or raise ConfigError."""
         if not isinstance(name, str) or name.lower() not in self._items:

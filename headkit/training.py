@@ -4,14 +4,22 @@ The vanilla ``transformers.Trainer`` works with a HeadedModel and ``HeadedCollat
 
 * ``model.forward``'s signature lists every head target, so ``remove_unused_columns`` keeps
   the label columns;
-* the collator puts labels under ``batch["labels"]`` (a ``{target: tensor}`` dict). Trainer
-  finds ``**labels`` in ``forward``'s signature, takes ``"labels"`` as its label key, and so
-  computes ``eval_loss``; HeadedModel unpacks the dict;
+* the collator puts labels under ``batch["labels"]`` (a ``{target: tensor}`` dict, or for a
+  model with one head that has a loss, that head's tensor, as ``DataCollatorWithPadding``
+  makes it). Trainer finds ``**labels`` in ``forward``'s signature, takes ``"labels"`` as
+  its label key, and so computes ``eval_loss``; HeadedModel routes it (``labels.py``);
+* the output's first field after ``loss`` is ``logits`` (the one trained head's predictions,
+  else ``{head: predictions}``) and the per-head dicts are listed in the backbone config's
+  ``keys_to_ignore_at_inference``, so ``compute_metrics`` gets
+  ``EvalPrediction(predictions=logits, label_ids=labels)`` the usual way;
 * ``HeadedModel.accepts_loss_kwargs = False`` keeps Trainer from passing
   ``num_items_in_batch`` (head losses are per-batch means, scaled for gradient accumulation
   by Trainer as usual);
-* in training mode every head and loss-weighting parameter takes part in each step's graph,
-  so DDP needs no ``find_unused_parameters``.
+* a head without labels in a step takes no part in it (its gradient stays None, so the
+  optimizer leaves it untouched); under DDP that needs ``find_unused_parameters=True``, the
+  default Trainer picks for a HeadedModel. With ``ddp_find_unused_parameters=False`` such
+  heads join the loss with an exact zero instead, and HeadedTrainer drops those zero
+  gradients before the optimizer step (see ``parallel.py``).
 
 What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds:
 
@@ -23,28 +31,33 @@ What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds
 * evaluation logs each head's loss as ``eval_<head>_loss`` (the vanilla Trainer reads only
   ``output.loss``);
 * ``predict`` returns ``predictions`` as ``{head: array}`` and ``label_ids`` as
-  ``{target: array}`` (the vanilla Trainer returns every dict field of the output, in a tuple
-  whose last item is ``preds_by_head``), and heads missing from some batches' labels still
-  concatenate.
+  ``{target: array}`` (one array each for a model with one trained head), and heads missing
+  from some batches' labels still concatenate;
+* a training batch whose every loss was left out (``nonfinite_loss="skip"``) is skipped
+  (no update) and counted in the logs as ``skipped_batches``.
 
 Under ``torchrun`` Trainer runs DDP itself; only rank 0 writes checkpoints.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
-from .checkpoint import MANIFEST, load_head_weights, read_head_weights, read_manifest
+from .checkpoint import MANIFEST, restore
 from .data import HeadedCollator
-from .errors import CheckpointError, ConfigError
-from .losses import IGNORE_INDEX, LOSSES
+from .errors import ConfigError
+from .labels import loss_heads, route_labels, without_unused_labels
+from .losses import IGNORE_INDEX, takes_class_indices
+from .parallel import drop_idle_gradients, join_idle
+
+logger = logging.getLogger(__name__)
 
 
 class HeadedTrainer(Trainer):
@@ -77,6 +90,44 @@ class HeadedTrainer(Trainer):
                 "not supported; allowed: 0 (heads compute their own losses)"
             )
         self._head_loss_sums: torch.Tensor | None = None
+        self.skipped_batches = 0
+        self.add_callback(_DropIdleGradients(self))
+
+    # ------------------------------------------------------------------ training
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """Trainer's loss; a batch whose every head loss was left out as non-finite
+        (``nonfinite_loss="skip"``) gives a zero loss that updates nothing."""
+        if not model.training or self.compute_loss_func is not None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**inputs)
+        loss = outputs.loss
+        if loss is None or (outputs.loss_by_head and not outputs.adapted_loss_by_head):
+            if not outputs.loss_by_head:  # no labels at all: Trainer's own error says so
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if self.skipped_batches == 0:
+                logger.warning(
+                    "HeadedTrainer: every head loss of a batch was non-finite and left out "
+                    "(nonfinite_loss='skip'); the batch is skipped (counted as skipped_batches)"
+                )
+            self.skipped_batches += 1
+            if loss is None and self.args.world_size > 1:
+                # DDP must see parameters in the graph: the heads join with an exact zero
+                loss = join_idle(self._headed(), None, outputs.preds_by_head, set())
+            if loss is None:  # nothing in the graph: no gradient, no update
+                loss = torch.zeros((), device=self.args.device, requires_grad=True)
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's log, plus ``skipped_batches`` once any batch was skipped."""
+        if self.skipped_batches and "loss" in logs:
+            logs = {**logs, "skipped_batches": self.skipped_batches}
+        super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ evaluation
     def prediction_step(
@@ -86,12 +137,14 @@ class HeadedTrainer(Trainer):
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor | None, dict | None, dict | None]:
-        """One evaluation batch → (total loss, ``{head: preds}``, ``{target: labels}``)."""
+        """One evaluation batch → (total loss, ``{head: preds}``, ``{target: labels}``), or
+        the one trained head's (preds, labels) for a model with one head that has a loss."""
         inputs = self._prepare_inputs(inputs)
         heads = self._headed().head_configs
-        labels = _labels_of(inputs, {c.target for c in heads.values()})
+        labels = _labels_of(inputs, heads)
         with torch.no_grad(), self.compute_loss_context_manager():
-            out = model(**inputs)
+            # labels only loss-free heads read serve their metrics, not the model call
+            out = model(**without_unused_labels(inputs, heads.values()))
         loss = out.loss.detach().mean() if out.loss is not None else None
         if self._head_loss_sums is not None and out.loss_by_head:
             n = inputs["input_ids"].shape[0] if "input_ids" in inputs else 1
@@ -104,6 +157,10 @@ class HeadedTrainer(Trainer):
         preds = {k: v.detach() for k, v in out.preds_by_head.items()}
         if labels:
             labels = _fill_missing_labels(labels, preds, heads)
+        trained = loss_heads(heads)
+        if len(trained) == 1:  # plain arrays, as for any transformers model
+            target = heads[trained[0]].target
+            return loss, preds[trained[0]], (labels[target] if labels else None)
         return loss, preds, (labels or None)
 
     def evaluation_loop(
@@ -157,70 +214,36 @@ class HeadedTrainer(Trainer):
         model = model if model is not None else self.model
         if not Path(resume_from_checkpoint, MANIFEST).is_file():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_into(self.accelerator.unwrap_model(model), resume_from_checkpoint)
+        restore(resume_from_checkpoint, model=self.accelerator.unwrap_model(model))
         return None
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         if best is None or not Path(best, MANIFEST).is_file():
             return super()._load_best_model()
-        load_into(self._headed(), best)
+        restore(best, model=self._headed())
         return None
 
     def _headed(self) -> Any:
         return self.accelerator.unwrap_model(self.model)
 
 
-def load_into(model: Any, checkpoint_dir: str | os.PathLike) -> None:
-    """Load a headkit checkpoint's weights into an existing HeadedModel, in place.
+class _DropIdleGradients(TrainerCallback):
+    """Before each optimizer step: heads idle on every rank keep no (zero) gradient."""
 
-    Heads and loss weighting always; the backbone too when the checkpoint holds a copy of
-    it (it was trained or built in memory). Raises CheckpointError when the heads differ.
-    """
-    root = Path(checkpoint_dir)
-    manifest = read_manifest(root)
-    saved = sorted(c.name for c in manifest["heads"])
-    if saved != sorted(model.head_configs):
-        raise CheckpointError(
-            f"{str(root)!r} holds heads {saved}, but the model has {sorted(model.head_configs)}"
-        )
-    weighting = manifest.get("loss_weighting") or {"name": "fixed"}
-    if weighting.get("name") != getattr(model.loss_weighting, "name", None):
-        raise CheckpointError(
-            f"{str(root)!r} was trained with loss_weighting={weighting.get('name')!r}, but the "
-            f"model uses {model.loss_weighting.name!r}"
-        )
-    load_head_weights(model, read_head_weights(root, manifest), str(root))
-    bb = manifest["backbone"]
-    if bb.get("kind") != "saved":
-        return
-    folder = root / str(bb.get("path"))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"backbone folder {str(folder)!r} has no safetensors file")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:  # safetensors errors derive from plain Exception
-            raise CheckpointError(f"backbone weights {str(f)!r} cannot be read: {e}") from None
-    own = model.backbone.state_dict()
-    unexpected = sorted(set(state) - set(own))
-    if unexpected:
-        raise CheckpointError(
-            f"backbone weights in {str(folder)!r} do not match the model: unexpected tensors "
-            f"{unexpected[:5]}"
-        )
-    with torch.no_grad():
-        for k, v in state.items():
-            own[k].copy_(v.to(own[k].device, own[k].dtype))
+    def __init__(self, trainer: HeadedTrainer) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        drop_idle_gradients(self.trainer._headed())
 
 
-def _labels_of(inputs: Mapping[str, Any], targets: set[str]) -> dict[str, torch.Tensor]:
-    nested = inputs.get("labels")
-    if isinstance(nested, Mapping):
-        return dict(nested)
-    return {k: v for k, v in inputs.items() if k in targets and isinstance(v, torch.Tensor)}
+def _labels_of(inputs: Mapping[str, Any], heads: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``{target: labels}`` of a batch, routed as HeadedModel routes them."""
+    targets = {c.target for c in heads.values()}
+    given = {k: v for k, v in inputs.items() if (k == "labels" or k in targets) and v is not None}
+    routed = route_labels(heads, given)
+    return {k: v for k, v in routed.items() if isinstance(v, torch.Tensor)}
 
 
 def _fill_missing_labels(
@@ -233,7 +256,7 @@ def _fill_missing_labels(
         if cfg.target in out:
             continue
         p = preds[name]
-        classes = cfg.loss_fct is not None and LOSSES.get(cfg.loss_fct).classes
+        classes = takes_class_indices(cfg)
         shape = p.shape[:-1] if classes or p.shape[-1] == 1 else p.shape
         dtype = torch.long if classes else torch.float32
         out[cfg.target] = torch.full(tuple(shape), IGNORE_INDEX, dtype=dtype, device=p.device)

@@ -12,6 +12,7 @@ from conftest import build_tiny
 
 import headkit.checkpoint
 from headkit import HeadConfig, HeadedModel, load_headed
+from headkit.checkpoint import load_head_weights
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -119,7 +120,8 @@ def test_frozen_unchanged_backbone_is_referenced_not_copied(tmp_path, gpt2_dir):
 
     manifest = json.loads((tmp_path / "heads_only" / "head_configs.json").read_text())
     assert manifest["backbone"]["kind"] == "reference"
-    assert manifest["backbone"]["source"] == str(gpt2_dir.resolve())
+    # recorded beside the checkpoint, relative to it, so the pair can move (issue 9)
+    assert manifest["backbone"]["source"] == {"checkpoint": "../gpt2"}
     assert not list((tmp_path / "heads_only").glob("backbone-*"))
 
     # the same model with its backbone copied is several times larger
@@ -147,8 +149,13 @@ def test_a_trained_backbone_is_saved(tmp_path, gpt2_dir):
     assert manifest["backbone"]["kind"] == "saved"
     loaded = HeadedModel.from_pretrained(tmp_path / "ckpt")
     assert_same_predictions(predict(loaded), expected)
-    # and the trained backbone differs from the original one: the saved copy matters
-    original = load_headed(str(gpt2_dir), head_folder_path=tmp_path / "ckpt")
+    # load_headed(path, head_folder_path=) restores the saved backbone too (one restore path;
+    # it used to ignore it silently) ...
+    again = load_headed(str(gpt2_dir), head_folder_path=tmp_path / "ckpt")
+    assert_same_predictions(predict(again), expected)
+    # ... and the trained backbone differs from the original one: the saved copy matters
+    original = load_headed(str(gpt2_dir), head_configs=list(again.head_configs.values()))
+    load_head_weights(original, again.head_state_dict(), "test")
     assert not torch.allclose(predict(original)["tag"], expected["tag"])
 
 

@@ -12,6 +12,7 @@ exception, never a hang (each load runs under an alarm).
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import random
 import shutil
@@ -186,11 +187,13 @@ def weights_garbage(rng, m, text, w):
     return text, w[:i] + rng.randbytes(rng.randint(1, 64)) + w[i:]
 
 
-def weights_header_flips_without_checksum(rng, m, text, w):
-    """No checksum to catch it: the safetensors header itself must be validated."""
-    m.pop("weights_sha256")
+def weights_header_flips_checksum_recomputed(rng, m, text, w):
+    """The checksum is recomputed over the corrupted file (a missing one is refused since
+    issue 9), so it cannot catch it: the safetensors header itself must be validated."""
     header_end = 8 + int.from_bytes(w[:8], "little")
-    return json.dumps(m).encode(), _flip(w, rng, rng.randint(1, 3), end=header_end)
+    w = _flip(w, rng, rng.randint(1, 3), end=header_end)
+    m["weights_sha256"] = hashlib.sha256(w).hexdigest()
+    return json.dumps(m).encode(), w
 
 
 def _get(obj: Any, path: tuple) -> Any:
@@ -217,7 +220,7 @@ FAMILIES: dict[str, tuple[Corruption, int]] = {
     "weights-byte-flips": (weights_byte_flips, 30),
     "weights-truncation": (weights_truncation, 20),
     "weights-garbage": (weights_garbage, 10),
-    "weights-header-flips-without-checksum": (weights_header_flips_without_checksum, 40),
+    "weights-header-flips-checksum-recomputed": (weights_header_flips_checksum_recomputed, 40),
 }
 
 
@@ -273,9 +276,9 @@ def test_corrupted_checkpoints_load_exactly_or_raise_a_headkit_error(
     corrupt, cases = FAMILIES[family]
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    for entry in original["folder"].iterdir():  # the backbone is shared, never corrupted
-        if entry.is_dir():
-            (folder / entry.name).symlink_to(entry, target_is_directory=True)
+    for entry in original["folder"].iterdir():  # the backbone is copied, never corrupted
+        if entry.is_dir():  # (a copy: symlinks leading outside a checkpoint are refused)
+            shutil.copytree(entry, folder / entry.name)
     text = (original["folder"] / MANIFEST).read_bytes()
     weights_name = original["manifest"]["weights"]
     outcomes: dict[str, int] = {}
@@ -295,6 +298,11 @@ def test_corrupted_checkpoints_load_exactly_or_raise_a_headkit_error(
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(family, outcomes)  # shown with pytest -s
     refused = sum(n for outcome, n in outcomes.items() if outcome.startswith("refused"))
+    if family == "json-unknown-field":
+        # Tolerant reader: a field this version does not know (a newer version's) is ignored
+        # with a warning, so checkpoints travel between versions; nothing else changes.
+        assert outcomes == {"loaded identically": cases}, outcomes
+        return
     assert refused > 0, outcomes  # the family really corrupts something
     if family in CHECKSUMMED:
         assert outcomes == {"refused (CheckpointError)": cases}, outcomes

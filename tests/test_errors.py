@@ -594,11 +594,12 @@ CHECKPOINT_CASES = [
         (r"heads-\w+\.safetensors' is corrupt or truncated", r"sha256 differs"),
     ),
     Case(
-        "truncated-weights-no-checksum",
-        "a truncated safetensors file and no checksum to compare",
+        # issue 9: a missing checksum is refused (it used to switch verification off)
+        "weights-checksum-missing",
+        "head_configs.json without weights_sha256 (even before a truncated file is read)",
         lambda p: (_no_checksum_then_truncate(p), _load(p)),
         CheckpointError,
-        (r"heads-\w+\.safetensors' cannot be read", r"incomplete metadata"),
+        (r"weights_sha256=None is invalid", r"cannot be verified and is refused"),
     ),
     Case(
         "weights-shape-mismatch",
@@ -651,9 +652,9 @@ CHECKPOINT_CASES = [
     Case(
         "newer-format-version",
         "a checkpoint written by a newer format version",
-        lambda p: (edit_manifest(p, lambda m: m.update(format_version=2)), _load(p)),
+        lambda p: (edit_manifest(p, lambda m: m.update(format_version=3)), _load(p)),
         CheckpointError,
-        (r"format_version=2", r"newer headkit", r"reads format_version <= 1"),
+        (r"format_version=3", r"newer headkit", r"reads format_version <= 2"),
     ),
     Case(
         "manifest-not-json",
@@ -731,7 +732,11 @@ CHECKPOINT_CASES = [
         "the saved backbone's safetensors file is truncated",
         lambda p: (truncate(next(p.glob("backbone-*/model.safetensors"))), _load(p)),
         CheckpointError,
-        (r"cannot load a backbone from '.*backbone-\w+'", r"incomplete metadata"),
+        # checked against the sha256 recorded at save time, before anything is loaded
+        (
+            r"backbone file '.*backbone-\w+/model\.safetensors' is corrupt or truncated",
+            r"sha256 differs",
+        ),
     ),
     Case(
         "head-folder-weights-mismatch",

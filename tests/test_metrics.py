@@ -95,8 +95,9 @@ def test_perplexity_equals_exp_of_the_heads_own_loss() -> None:
     batch = HeadedCollator(model, pad_token_id=PAD)(feats)
     with torch.no_grad():
         out = model(**batch)
+    # one head with a loss: batch["labels"] is its tensor, as transformers' collators make it
     m = compute_head_metrics(
-        model.head_configs["lm_head"], out.preds_by_head["lm_head"], batch["labels"]["lm_head"]
+        model.head_configs["lm_head"], out.preds_by_head["lm_head"], batch["labels"]
     )
     assert m["perplexity"] == pytest.approx(math.exp(float(out.loss_by_head["lm_head"])), rel=1e-5)
     # and by hand: the 4 + 1 shifted next-token predictions

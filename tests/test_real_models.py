@@ -155,3 +155,30 @@ def test_smollm2_lm_head_and_layer_2_probe_match_the_model(smollm2):
         for h in handles:
             h.remove()
     assert runs == [1, 1] + [0] * 28
+
+
+@pytest.mark.slow
+def test_smollm2_generates_its_own_tokens_through_a_shared_lm_head(smollm2):
+    """Greedy generation with a value head equals SmolLM2's own generate, scores bit for bit:
+    the frozen lm_head is SmolLM2's tied embedding matrix itself, not a copy."""
+    configs = [
+        HeadConfig("lm_head", is_causal_lm=True, trainable=False),
+        HeadConfig("value", num_outputs=1, is_regression=True, loss_fct="mse"),
+    ]
+    model = HeadedModel(smollm2, configs).eval()
+    assert model.heads["lm_head"].linears[0].weight is smollm2.get_input_embeddings().weight
+    ids = torch.tensor([[2, 2, 504, 3458, 282], [1, 504, 3458, 282, 3276]])  # row 0 left-padded
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    settings = dict(max_new_tokens=6, do_sample=False, output_scores=True)
+    expected = smollm2.generate(ids, attention_mask=mask, return_dict_in_generate=True, **settings)
+    out = model.generate(ids, attention_mask=mask, **settings)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, expected.scores))
+    plain = model(input_ids=out.sequences, attention_mask=out.attention_mask)
+    real = out.generated_mask.bool()
+    torch.testing.assert_close(
+        out.head_outputs["value"][real],
+        plain.preds_by_head["value"][:, 5:][real],
+        atol=1e-4,
+        rtol=0,
+    )

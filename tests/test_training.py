@@ -104,7 +104,7 @@ def test_vanilla_trainer_trains_evaluates_and_predicts(tmp_path: Path) -> None:
     assert metrics["eval_loss"] == pytest.approx(float(out.loss), rel=1e-5)
 
     pred = trainer.predict(data[:8])
-    preds = pred.predictions[-1]  # vanilla Trainer: the output's dicts, preds_by_head last
+    preds = pred.predictions  # vanilla Trainer, several trained heads: {head: predictions}
     for name in ("sent", "ner"):
         torch.testing.assert_close(torch.as_tensor(preds[name]), out.preds_by_head[name])
         assert (pred.label_ids[name] == batch["labels"][name].numpy()).all()

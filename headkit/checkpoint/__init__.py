@@ -1,0 +1,45 @@
+"""Checkpoints: ``head_configs.json`` + safetensors, written atomically, read without pickle.
+
+Layout of a checkpoint directory::
+
+    head_configs.json              the manifest (format version, head configs, file names)
+    heads-<token>.safetensors      head and loss-weighting tensors
+    backbone-<token>/              the backbone (config.json + *.safetensors), only when it
+                                   was trained, modified, or has no loadable source
+
+``save_checkpoint`` writes one (``save.py``) holding the folder's lock (``lock.py``) and
+deleting only what it wrote (``journal.py``); ``restore`` is the one way to read one back
+(``restore.py``); ``read_manifest`` validates the manifest (``manifest.py``); ``paths.py``
+keeps names plain and files inside the folder; ``sizes.py`` is the size guard. See
+docs/checkpoints.md.
+"""
+
+import os  # noqa: F401  (tests patch headkit.checkpoint.os.replace to simulate crashes)
+
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
+from .restore import (
+    Checkpoint,
+    apply_checkpoint,
+    load_backbone_state,
+    load_head_weights,
+    read_checkpoint,
+    read_head_weights,
+    restore,
+)
+from .save import backbone_is_referable, save_checkpoint
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "Checkpoint",
+    "apply_checkpoint",
+    "backbone_is_referable",
+    "load_backbone_state",
+    "load_head_weights",
+    "read_checkpoint",
+    "read_head_weights",
+    "read_manifest",
+    "restore",
+    "save_checkpoint",
+]

@@ -1,0 +1,95 @@
+"""One save at a time per checkpoint folder: an exclusive ``flock`` on ``.headkit.lock``.
+
+The lock is taken on a file descriptor of its own for each save, so it serialises saves
+from other processes and from other threads of the same process alike (Linux ``flock``
+locks belong to the open file description). The lock file is removed at the end of a save
+while the lock is still held; a waiter that then gets the lock checks that the path still
+names the file it locked, and otherwise starts again on the new one. So a finished save
+leaves no lock file behind, and two saves never both hold "the" lock.
+
+Where ``fcntl`` does not exist (Windows) or the file system refuses ``flock``, saves are not
+serialised (a warning says so); each is still atomic on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+LOCK = ".headkit.lock"
+#: How long a save waits for another save into the same folder before giving up (seconds).
+LOCK_TIMEOUT_S = 3600.0
+
+
+@contextmanager
+def folder_lock(root: Path) -> Iterator[None]:
+    """Hold the folder's save lock for the duration of the ``with`` block."""
+    path = root / LOCK
+    fd = _acquire(path, LOCK_TIMEOUT_S) if fcntl is not None else None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # still locked: waiters on this file notice and retry
+            os.close(fd)
+
+
+def _acquire(path: Path, timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if not _wait(fd, path, deadline, timeout):
+                os.close(fd)
+                return None
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False  # removed by the save that held it: lock the new one
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            return fd
+        os.close(fd)
+
+
+def _wait(fd: int, path: Path, deadline: float, timeout: float) -> bool:
+    """Poll for the exclusive lock; False when the file system cannot lock at all."""
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                pass
+            else:
+                warnings.warn(
+                    f"cannot lock {str(path)!r} ({e}); saves into this folder are not serialised",
+                    stacklevel=5,
+                )
+                return False
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"another save into {str(path.parent)!r} has held {LOCK!r} for over "
+                f"{timeout:g} s; wait for it to finish (or, if no save is running, the "
+                "process holding it is stuck: end it)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)

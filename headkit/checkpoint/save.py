@@ -1,0 +1,245 @@
+"""Writing a checkpoint atomically: uniquely named files first, the manifest last.
+
+The manifest is the commit point: new weight files get fresh names (with the save's token),
+the manifest is replaced with ``os.replace`` (atomic on POSIX), and only then are the files
+the previous manifest named deleted. A crash at any moment leaves either the old or the new
+checkpoint complete and loadable.
+
+A save holds the folder's lock (``lock.py``) from start to end, so saves into one folder
+run one at a time, and it deletes only what it wrote itself (``journal.py``): the files the
+manifest it replaces says a save wrote, and its own temporary files; never anything else in
+the folder, and never a folder the new manifest uses (such as the ``backbone-*`` folder the
+model was loaded from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from safetensors.torch import save_file
+
+from ..adapter_layers import base_parameters, base_state_dict, has_adapters
+from ..errors import CheckpointError, ConfigError
+from ..tying import tied_head_weights
+from .adapters import quantization_entry, write_adapter
+from .journal import PendingSave, recover
+from .lock import folder_lock
+from .manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PLAIN_FORMAT_VERSION,
+    TIED,
+    fsync_dir,
+    fsync_file,
+    sha256_file,
+)
+from .paths import owned_files, read_raw
+
+if TYPE_CHECKING:
+    from ..model import HeadedModel
+
+#: transformers' ``save_pretrained`` keywords headkit accepts (others get a ConfigError).
+SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size")
+
+
+def backbone_is_referable(model: HeadedModel) -> bool:
+    """A frozen backbone, unchanged since it was loaded from a recorded source (LoRA adapters
+    left out: they are saved on their own)."""
+    src = model.source
+    if src is None or not src.fingerprint:
+        return False
+    if any(p.requires_grad for p in base_parameters(model.backbone)):
+        return False
+    backbone = model.backbone
+    return src.unchanged(base_state_dict(backbone) if has_adapters(backbone) else backbone)
+
+
+def save_checkpoint(
+    model: HeadedModel,
+    save_directory: str | os.PathLike,
+    *,
+    save_backbone: bool | None = None,
+    safe_serialization: bool = True,
+    max_shard_size: int | str | None = None,
+    **unsupported: Any,
+) -> Path:
+    """Write ``model`` to ``save_directory`` atomically (see module docstring).
+
+    ``save_backbone=None`` copies the backbone only when it cannot be referenced (trained,
+    changed since loading, or built in memory); True/False force it. ``max_shard_size``
+    shards a copied backbone's safetensors files (as transformers does); checkpoints are
+    always safetensors (``safe_serialization=True``).
+    """
+    _check_options(safe_serialization, max_shard_size, unsupported)
+    root = Path(save_directory)
+    root.mkdir(parents=True, exist_ok=True)
+    with folder_lock(root):
+        recover(root)  # finish what a killed save left
+        token = uuid.uuid4().hex[:12]
+        previous = read_raw(root / MANIFEST)
+        with PendingSave(root, token, _names(token), owned_files(previous)):
+            weights_name = _write_heads(model, root, token)
+            adapter = write_adapter(model, root, token)  # the backbone's LoRA adapter, if any
+            entry = _backbone_entry(model, root, token, previous, save_backbone, max_shard_size)
+            entry["class"] = type(model.backbone).__name__
+            quantization = quantization_entry(model.backbone)
+            if quantization and entry["kind"] == "reference":
+                entry["quantization"] = quantization  # a 4-bit base reloads 4-bit
+            manifest = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION if adapter else PLAIN_FORMAT_VERSION,
+                "heads": [c.to_dict() for c in model.head_configs.values()],
+                "weights": weights_name,
+                "weights_sha256": sha256_file(root / weights_name),
+                "backbone": entry,
+                "loss_weighting": model.loss_weighting.config(),
+                "nonfinite_loss": model.nonfinite_loss,
+            }
+            if model.layers_path is not None:
+                manifest["layers_path"] = model.layers_path
+            if adapter is not None:
+                manifest["adapter"] = adapter
+            tied = tied_head_weights(model.backbone, model.heads)
+            if tied:  # shared with the backbone's input embeddings: re-tied on load, not written
+                manifest[TIED] = tied
+            _commit(root, manifest, token)
+    return root
+
+
+def _check_options(safe_serialization: Any, max_shard_size: Any, unsupported: dict) -> None:
+    if unsupported:
+        raise ConfigError(
+            f"save_pretrained got {sorted(unsupported)}, which headkit does not support; "
+            f"allowed: {', '.join(SAVE_OPTIONS)} (checkpoints are written locally as "
+            "safetensors + JSON)"
+        )
+    if safe_serialization is not True:
+        raise ConfigError(
+            f"safe_serialization={safe_serialization!r} is invalid; headkit writes only "
+            "safetensors (True)"
+        )
+    if max_shard_size is not None:
+        from transformers.utils.hub import convert_file_size_to_int
+
+        try:
+            ok = convert_file_size_to_int(max_shard_size) > 0
+        except (ValueError, TypeError, AttributeError):
+            ok = False
+        if not ok or isinstance(max_shard_size, bool):
+            raise ConfigError(
+                f"max_shard_size={max_shard_size!r} is invalid; a positive number of bytes or "
+                "a size such as '500MB' or '5GB'"
+            )
+
+
+def _names(token: str) -> list[str]:
+    """Every name this save may create (all carry its token)."""
+    return [
+        f"heads-{token}.safetensors",
+        f".tmp-heads-{token}.safetensors",
+        f"backbone-{token}",
+        f".tmp-backbone-{token}",
+        f"adapter-{token}",
+        f".tmp-adapter-{token}",
+        f".tmp-{MANIFEST}-{token}",
+    ]
+
+
+def _backbone_entry(
+    model: HeadedModel,
+    root: Path,
+    token: str,
+    previous: Any,
+    save_backbone: bool | None,
+    max_shard_size: int | str | None,
+) -> dict[str, Any]:
+    """The manifest's backbone entry: the saved folder in place (saving back, unchanged),
+    a reference to the source, or a fresh copy."""
+    referable = backbone_is_referable(model)
+    if save_backbone is None:
+        kept = _saved_in_place(model, root, previous) if referable else None
+        if kept is not None:
+            return kept
+        save_backbone = not referable or model.source.saved_in is not None
+    if save_backbone:
+        return _write_backbone(model, root, token, max_shard_size)
+    if model.source is None:
+        raise CheckpointError(
+            "save_backbone=False, but the backbone has no source to reference (it was built in "
+            "memory); save it or load it with load_headed(path)"
+        )
+    if not referable:
+        warnings.warn(
+            "save_backbone=False: the backbone was changed since loading; the checkpoint "
+            "references the original, so predictions may differ after loading",
+            stacklevel=4,
+        )
+    return {
+        "kind": "reference",
+        **model.source.to_manifest(root),
+        "fingerprint": model.source.fingerprint,
+    }
+
+
+def _saved_in_place(model: HeadedModel, root: Path, previous: Any) -> dict[str, Any] | None:
+    """The current manifest's saved-backbone entry, when the model was restored from that
+    very folder of this checkpoint and is unchanged: saving heads back keeps it."""
+    src = model.source
+    bb = previous.get("backbone") if isinstance(previous, dict) else None
+    if src is None or src.saved_in is None or src.dtype is not None or not isinstance(bb, dict):
+        return None  # (loaded in another dtype than its files hold: write it as it is now)
+    if bb.get("kind") != "saved" or bb.get("path") != Path(src.source).name:
+        return None
+    try:
+        same = os.path.samefile(src.saved_in, root) and (root / bb["path"]).is_dir()
+    except OSError:
+        return None
+    if not same:
+        return None
+    return {k: bb[k] for k in ("kind", "path", "files_sha256", "fingerprint") if k in bb}
+
+
+def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
+    name = f"heads-{token}.safetensors"
+    tmp = root / f".tmp-{name}"
+    state = {k: v.detach().contiguous().cpu() for k, v in model.head_state_dict().items()}
+    version = str(PLAIN_FORMAT_VERSION)
+    save_file(state, str(tmp), metadata={"format": FORMAT, "format_version": version})
+    os.chmod(tmp, 0o644)  # safetensors creates files readable by the owner only
+    fsync_file(tmp)
+    os.replace(tmp, root / name)
+    return name
+
+
+def _write_backbone(
+    model: HeadedModel, root: Path, token: str, max_shard_size: int | str | None = None
+) -> dict[str, Any]:
+    name = f"backbone-{token}"
+    tmp = root / f".tmp-{name}"
+    options = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    # a LoRA backbone is saved as it was before peft (its adapter is saved on its own)
+    if has_adapters(model.backbone):
+        options["state_dict"] = base_state_dict(model.backbone)
+    model.backbone.save_pretrained(tmp, safe_serialization=True, **options)
+    checksums = {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}
+    for f in tmp.iterdir():
+        if f.is_file():
+            fsync_file(f)
+    fsync_dir(tmp)
+    os.replace(tmp, root / name)
+    return {"kind": "saved", "path": name, "files_sha256": checksums, "fingerprint": None}
+
+
+def _commit(root: Path, manifest: dict[str, Any], token: str) -> None:
+    fsync_dir(root)  # the renamed weight files are durable before the commit point
+    tmp = root / f".tmp-{MANIFEST}-{token}"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    fsync_file(tmp)
+    os.replace(tmp, root / MANIFEST)  # <- the commit point
+    fsync_dir(root)

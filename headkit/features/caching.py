@@ -1,0 +1,313 @@
+"""Cached head inputs for frozen backbones: run the backbone once, train many probes on it.
+
+``cache_features`` runs a frozen backbone over a dataset once (eval mode, no grad, only as
+deep as the deepest hooked layer) and keeps what each head reads:
+
+- ``"pooled"`` heads (sequence heads whose pooling has no trainable parameters): the pooled
+  vector ``MLPHead.features(hidden, mask, pooler)``, one (width,) row per sequence.
+- ``"tokens"`` heads (token heads, causal-LM heads, and sequence heads with a trainable
+  pooling such as ``"attention"``): the hooked layer's states at the **non-padding positions
+  only**, flattened to (num_tokens, hidden) with per-sequence ``offsets``. Batches are
+  rebuilt right-padded to their longest sequence with a matching mask, so padding never
+  takes space on disk. Heads on the same layer share one array.
+
+Labels are stored beside, by target: (num_sequences, ...) for sequence heads and
+(num_tokens, ...) at the same non-padding positions for token heads. Storage is memory or a
+directory of raw arrays read back as numpy memmaps (``manifest.json`` + ``*.bin``; no pickle),
+so sets larger than RAM work. ``train_heads_on_features`` then trains the heads with the same
+loss computation as ``HeadedModel.forward`` (``head_loss`` + ``combine_losses``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from ..errors import BatchError, ConfigError
+from ..inputs import BATCH_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
+from ..labels import keep_model_columns, route_labels
+from ..losses import IGNORE_INDEX, counted_positions, labels_as_tensor, minus_100_is_ignored
+from ..model import HeadedModel
+from .storage import CachedFeatures, _DiskWriter, _MemoryWriter, _Writer
+
+
+def cache_features(
+    model: HeadedModel,
+    dataset: Any,
+    batch_size: int = 32,
+    collate_fn: Any = None,
+    storage: str | PathLike = "memory",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> CachedFeatures:
+    """Run the frozen backbone over ``dataset`` once and keep every head's input and labels.
+
+    ``dataset``: a map-style or iterable dataset of examples (batched in order with
+    ``batch_size`` and ``collate_fn``, default ``HeadedCollator(model)``) or a ``DataLoader``;
+    batches hold model inputs and head targets, as for ``HeadedModel.forward`` (other
+    columns are dropped with a warning naming them, as Trainer does).
+    ``storage``: "memory" or a directory (created; an existing non-empty one needs
+    ``overwrite=True``). ``dtype`` is the stored float type. Raises ConfigError if anything
+    outside the heads is trainable (cached features would go stale as it trains).
+    """
+    check_frozen(model)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype={dtype!r} is invalid; a floating torch dtype (torch.float32...)")
+    loader = _loader(model, dataset, batch_size, collate_fn)
+    heads = _plan_heads(model)
+    targets = _label_layouts(model)
+    if isinstance(storage, str) and storage == "memory":
+        writer: _Writer = _MemoryWriter()
+    elif isinstance(storage, (str, PathLike)):
+        writer = _DiskWriter(Path(storage), overwrite)
+    else:
+        raise ConfigError(f"storage={storage!r} is invalid; 'memory' or a directory path")
+    need_tokens = any(info["layout"] == "tokens" for info in heads.values()) or any(
+        layout == "token" for layout in targets.values()
+    )
+    try:
+        total = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        total = None
+    was_training = model.backbone.training
+    model.backbone.eval()
+    offsets = [0]
+    present: set[str] | None = None
+    try:
+        bar = tqdm(
+            loader,
+            total=total,
+            disable=not progress,
+            desc="headkit: caching features",
+            unit="batch",
+        )
+        with torch.no_grad():
+            for i, batch in enumerate(bar):
+                labels, lengths = _cache_batch(model, heads, targets, batch, writer, dtype)
+                if present is None:
+                    present = set(labels)
+                elif set(labels) != present:
+                    raise BatchError(
+                        f"batch {i} has labels for targets {sorted(labels)} but earlier batches "
+                        f"had {sorted(present)}; every batch needs the same targets"
+                    )
+                for n in lengths:
+                    offsets.append(offsets[-1] + n)
+        if present is None:
+            raise BatchError("the dataset is empty: there is nothing to cache")
+        if need_tokens:
+            writer.append("offsets", torch.tensor(offsets, dtype=torch.long))
+        meta = {
+            "num_sequences": len(offsets) - 1,
+            "num_tokens": offsets[-1] if need_tokens else 0,
+            "dtype": str(dtype).removeprefix("torch."),
+            "heads": heads,
+            "feature_keys": {info["features"]: info["layout"] for info in heads.values()},
+            "labels": {t: {"layout": targets[t]} for t in sorted(present)},
+            "backbone": _backbone_meta(model),
+        }
+        return writer.finish(meta)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        model.backbone.train(was_training)
+
+
+def _loader(model: HeadedModel, dataset: Any, batch_size: Any, collate_fn: Any) -> Iterable:
+    """A DataLoader as given, else one over ``dataset`` without the columns the model ignores."""
+    if isinstance(dataset, DataLoader):
+        return dataset
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r} is invalid; an integer >= 1")
+    if collate_fn is None:
+        from ..data import HeadedCollator
+
+        collate_fn = HeadedCollator(model)
+    kept = keep_model_columns(dataset, model.head_configs, "cache_features")
+    return DataLoader(kept, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
+
+
+def _cache_batch(
+    model: HeadedModel,
+    heads: dict[str, dict[str, Any]],
+    targets: dict[str, str],
+    batch: Any,
+    writer: _Writer,
+    dtype: torch.dtype,
+) -> tuple[set[str], list[int]]:
+    """Run the backbone on one batch and append its features and labels; (targets, lengths)."""
+    inputs, labels = _split_batch(model, batch)
+    mask = inputs.mask
+    wanted = {info["layer"] for info in heads.values()}
+    captured, _ = run_stage(model.backbone, model.info, inputs, wanted, model.early_exit)
+    ref = next(iter(captured.values()))  # (batch, seq, hidden)
+    real = mask.bool() if mask is not None else torch.ones(ref.shape[:2], dtype=torch.bool)
+    real = real.to(ref.device)
+    causal = any(c.is_causal_lm for c in model.head_configs.values())
+    if causal and not _contiguous(real):
+        raise BatchError(
+            "attention_mask has padding between real tokens; a causal-LM head's shifted "
+            "labels cannot be cached then (pad on one or both ends only)"
+        )
+    done: set[str] = set()
+    for name, info in heads.items():
+        if info["features"] in done:
+            continue  # heads on the same layer and pooling share one array
+        done.add(info["features"])
+        hidden = captured[info["layer"]]
+        if info["layout"] == "pooled":
+            x = model.heads[name].features(hidden, mask)  # (batch, width)
+        else:
+            x = hidden[real]  # (batch tokens, hidden)
+        writer.append(f"features/{info['features']}", x.to(dtype))
+    for target, y in labels.items():
+        y = labels_as_tensor(y, ref.device, f"target {target!r}")
+        if targets[target] == "sequence":
+            if y.dim() == 0 or y.shape[0] != ref.shape[0]:
+                raise BatchError(
+                    f"target {target!r}: labels of shape {tuple(y.shape)} do not match the "
+                    f"batch size {ref.shape[0]}"
+                )
+            writer.append(f"labels/{target}", y)
+        else:
+            if y.dim() < 2 or tuple(y.shape[:2]) != tuple(real.shape):
+                raise BatchError(
+                    f"target {target!r} (a token head's): labels of shape {tuple(y.shape)} do "
+                    f"not match the inputs {tuple(real.shape)}"
+                )
+            _check_padding_unused(model, target, y, real)
+            writer.append(f"labels/{target}", y[real])
+    return set(labels), [int(n) for n in real.sum(1).tolist()]
+
+
+def check_frozen(model: HeadedModel) -> None:
+    """Raise ConfigError unless every trainable parameter lives in the heads or the weighting."""
+    if not isinstance(model, HeadedModel):
+        raise ConfigError(f"model must be a HeadedModel, got {type(model).__name__}")
+    outside = [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and not n.startswith(("heads.", "loss_weighting."))
+    ]
+    if outside:
+        more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+        raise ConfigError(
+            f"cannot cache features: parameter(s) {outside[:3]}{more} outside the heads require "
+            "grad, so the backbone would change while the heads train and cached features would "
+            "be stale; freeze it (HeadedModel(..., freeze_base_model=True), no trainable "
+            "LoRA/peft adapters) or train through HeadedModel.forward"
+        )
+
+
+def _plan_heads(model: HeadedModel) -> dict[str, dict[str, Any]]:
+    """Per head: what to store ("pooled" vector or "tokens"), under which key, from which layer."""
+    hooks = model.hooked_layers()
+    plan = {}
+    for name, head in model.heads.items():
+        cfg = model.head_configs[name]
+        layer = hooks[name]
+        trainable_pool = head.pooling is not None and any(
+            p.requires_grad for p in head.pooling.parameters()
+        )
+        if cfg.pred_for_sequence and not trainable_pool:
+            layout, key = "pooled", f"L{layer}.{cfg.pooling}"
+        else:
+            layout, key = "tokens", f"L{layer}.tokens"
+        plan[name] = {
+            "layout": layout,
+            "features": key,
+            "layer": layer,
+            "pred_for_sequence": cfg.pred_for_sequence,
+            "pooling": cfg.pooling,
+        }
+    return plan
+
+
+def _label_layouts(model: HeadedModel) -> dict[str, str]:
+    """Each target's layout: "sequence" (one label row per sequence) or "token"."""
+    layouts: dict[str, str] = {}
+    for cfg in model.head_configs.values():
+        layout = "sequence" if cfg.pred_for_sequence else "token"
+        if layouts.setdefault(cfg.target, layout) != layout:
+            raise ConfigError(
+                f"target {cfg.target!r} is read by both sequence and token heads; its labels "
+                "cannot be cached in one layout (give the heads different targets)"
+            )
+    return layouts
+
+
+def _split_batch(model: HeadedModel, batch: Any) -> tuple[Any, dict[str, Any]]:
+    """Backbone inputs (prepared and checked as ``HeadedModel.forward`` does) and labels."""
+    if not isinstance(batch, dict) and hasattr(batch, "keys"):
+        batch = dict(batch)  # BatchEncoding, UserDict
+    if not isinstance(batch, dict):
+        raise BatchError(
+            f"a batch must be a dict of model inputs and head targets, got {type(batch).__name__}"
+        )
+    targets = {c.target for c in model.head_configs.values()}
+    batch = drop_tokenizer_extras(batch, targets)
+    unknown = sorted(k for k in batch if k not in targets | {"labels"} and k not in BATCH_INPUTS)
+    if unknown:
+        raise BatchError(
+            f"unexpected batch key(s) {unknown} while caching features; allowed: model inputs "
+            f"{list(BATCH_INPUTS)} and head targets {sorted(targets)}"
+        )
+    device = model.device
+    given = {
+        k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+        for k, v in batch.items()
+        if k in BATCH_INPUTS and v is not None
+    }
+    inputs = prepare_inputs(model.backbone, model.info, **given, check=model.check_inputs)
+    given = {k: v for k, v in batch.items() if k not in BATCH_INPUTS}
+    labels = {k: v for k, v in route_labels(model.head_configs, given).items() if v is not None}
+    return inputs, labels
+
+
+def _contiguous(real: torch.Tensor) -> bool:
+    """Each row's real positions form one run (padding only at the ends)."""
+    changes = (real[:, 1:] != real[:, :-1]).sum(1)
+    return bool((changes <= 2).all()) and not bool(((changes == 2) & real[:, 0]).any())
+
+
+def _check_padding_unused(
+    model: HeadedModel, target: str, labels: torch.Tensor, real: torch.Tensor
+) -> None:
+    """Raise if a padding position counts in a token head's loss (the cache drops padding)."""
+    pad = ~real
+    if not bool(pad.any()):
+        return
+    for name, cfg in model.head_configs.items():
+        if cfg.target != target or cfg.loss_fct is None or cfg.pred_for_sequence:
+            continue
+        # The loss's own rule, applied to the padding pattern: where predictions and labels
+        # meet (shifted for causal-LM heads) and which positions count.
+        pred_pad, label_pad, counts = counted_positions(cfg, pad.unsqueeze(-1), pad, real)
+        _, y, _ = counted_positions(cfg, pad.unsqueeze(-1), labels, real)
+        if minus_100_is_ignored(cfg):
+            kept = y != IGNORE_INDEX
+            counts = counts & (kept.any(-1) if kept.dim() > 2 else kept)
+        if bool((counts & (pred_pad.squeeze(-1) | label_pad)).any()):
+            raise BatchError(
+                f"head {name!r} (target {target!r}): padding positions count in its loss "
+                f"(ignore_pads={cfg.ignore_pads}, labels at padding are not {IGNORE_INDEX}), "
+                "but cached features keep real tokens only; set the labels at padding to "
+                f"{IGNORE_INDEX} or ignore_pads=True"
+            )
+
+
+def _backbone_meta(model: HeadedModel) -> dict[str, Any]:
+    return {
+        "class": type(model.backbone).__name__,
+        "name_or_path": str(getattr(model.config, "name_or_path", "") or ""),
+        "num_layers": model.info.num_layers,
+        "hidden_size": model.info.hidden_size,
+    }

@@ -1,0 +1,244 @@
+"""The ``PreTrainedModel`` conveniences a Hugging Face user reaches for, on ``HeadedModel``.
+
+``HeadedModel`` is an ``nn.Module`` around an unmodified backbone, so it does not inherit
+``PreTrainedModel``; ``PreTrainedConveniences`` (its base class) adds the methods Trainer,
+peft and notebooks call: activation (gradient) checkpointing, input-embedding access and
+resizing (an ``lm_head`` causal-LM head follows the vocabulary), parameter counts and
+``dtype``. Each delegates to the backbone's own method where it has one.
+
+``hide_head_dicts_from_trainer`` makes the vanilla ``Trainer`` gather only ``logits`` from a
+``HeadedModelOutput`` (it gathers every non-None output field after ``loss`` except the
+names in ``model.config.keys_to_ignore_at_inference``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .parallel import drop_idle_gradients
+
+#: Output fields the vanilla Trainer must not gather as predictions (``logits`` carries them).
+TRAINER_IGNORED_OUTPUTS = ("loss_by_head", "adapted_loss_by_head", "preds_by_head")
+
+
+def hide_head_dicts_from_trainer(config: Any) -> None:
+    """Add the per-head dicts to ``config.keys_to_ignore_at_inference`` (kept if already set).
+
+    Trainer reads that list from ``model.config`` (the backbone's config) and otherwise
+    ignores only ``"cache"``; without it, ``EvalPrediction.predictions`` would be a tuple
+    holding per-batch losses before the predictions.
+    """
+    if config is None:
+        return
+    keys = list(getattr(config, "keys_to_ignore_at_inference", None) or ["cache"])
+    keys += [k for k in TRAINER_IGNORED_OUTPUTS if k not in keys]
+    config.keys_to_ignore_at_inference = keys
+
+
+class PreTrainedConveniences:
+    """``PreTrainedModel`` methods for a model holding ``self.backbone``, ``self.heads`` and
+    ``self.head_configs`` (``HeadedModel``)."""
+
+    backbone: Any
+    heads: nn.ModuleDict
+    head_configs: dict[str, Any]
+
+    # ------------------------------------------------------------------ checkpointing
+    @property
+    def supports_gradient_checkpointing(self) -> bool:
+        """Whether the backbone can recompute its blocks in the backward pass."""
+        return bool(getattr(self.backbone, "supports_gradient_checkpointing", False))
+
+    def activation_checkpointing_enable(
+        self,
+        activation_checkpointing_kwargs: dict | None = None,
+        every_n_layers: int = 1,
+        offload: bool = False,
+    ) -> None:
+        """Recompute the backbone's blocks in the backward pass instead of storing their
+        activations (what ``TrainingArguments(gradient_checkpointing=True)`` calls).
+
+        Only a backbone in training mode checkpoints (a frozen one stays in eval mode, so
+        this changes nothing for probes). The embeddings' output is made to require grad
+        only while some backbone parameter is trainable (LoRA under reentrant checkpointing
+        needs it; a frozen backbone would otherwise build a graph nobody uses).
+        """
+        bb = self.backbone
+        if hasattr(bb, "activation_checkpointing_enable"):
+            bb.activation_checkpointing_enable(
+                activation_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload
+            )
+        else:  # transformers releases before the rename
+            bb.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=activation_checkpointing_kwargs
+            )
+        if hasattr(bb, "disable_input_require_grads"):
+            bb.disable_input_require_grads()
+        self._remove_input_grad_hook()
+        emb = _input_embeddings(bb)
+        if emb is not None:
+            self._input_grad_hook = emb.register_forward_hook(self._inputs_require_grad)
+
+    def activation_checkpointing_disable(self) -> None:
+        """Store activations again (undo ``activation_checkpointing_enable``)."""
+        bb = self.backbone
+        if hasattr(bb, "activation_checkpointing_disable"):
+            bb.activation_checkpointing_disable()
+        else:
+            bb.gradient_checkpointing_disable()
+        self._remove_input_grad_hook()
+
+    def gradient_checkpointing_enable(
+        self, gradient_checkpointing_kwargs: dict | None = None, **kwargs: Any
+    ) -> None:
+        """The older name of ``activation_checkpointing_enable`` (same arguments)."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        """The older name of ``activation_checkpointing_disable``."""
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        """Whether any backbone block checkpoints its activations."""
+        modules = self.backbone.modules()
+        return any(getattr(m, "gradient_checkpointing", False) is True for m in modules)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """The older name of ``is_activation_checkpointing``."""
+        return self.is_activation_checkpointing
+
+    def _inputs_require_grad(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if (
+            isinstance(output, torch.Tensor)
+            and torch.is_grad_enabled()
+            and output.is_floating_point()
+            and any(p.requires_grad for p in self.backbone.parameters())
+        ):
+            output.requires_grad_(True)
+
+    def _remove_input_grad_hook(self) -> None:
+        hook = self.__dict__.pop("_input_grad_hook", None)
+        if hook is not None:
+            hook.remove()
+
+    # ------------------------------------------------------------------ embeddings
+    def get_input_embeddings(self) -> nn.Module:
+        """The backbone's input embeddings."""
+        return self.backbone.get_input_embeddings()
+
+    def enable_input_require_grads(self) -> None:
+        """Make the input embeddings' output require grad (adapters on a frozen backbone)."""
+        self.backbone.enable_input_require_grads()
+
+    def disable_input_require_grads(self) -> None:
+        """Undo ``enable_input_require_grads``."""
+        self.backbone.disable_input_require_grads()
+
+    def resize_token_embeddings(
+        self,
+        new_num_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        mean_resizing: bool = True,
+    ) -> nn.Embedding:
+        """Resize the backbone's vocabulary (``PreTrainedModel.resize_token_embeddings``).
+
+        Causal-LM heads whose ``num_outputs`` was the old vocabulary size follow: their last
+        Linear grows or shrinks to the new size, new rows initialised as transformers
+        initialises a resized LM head, and ``num_outputs`` in their config is updated (so
+        checkpoints stay consistent).
+        """
+        old = _vocab_size(self.backbone)
+        emb = self.backbone.resize_token_embeddings(
+            new_num_tokens, pad_to_multiple_of, mean_resizing
+        )
+        new = int(emb.weight.shape[0])
+        if hasattr(self, "info"):
+            self.info.vocab_size = new
+        if new == old:
+            return emb
+        for name, cfg in list(self.head_configs.items()):
+            head = self.heads[name]
+            if not cfg.is_causal_lm or cfg.num_outputs != old or not hasattr(head, "linears"):
+                continue
+            _resize_last_linear(self.backbone, head, new, mean_resizing)
+            cfg = cfg.replace(num_outputs=new)
+            self.head_configs[name] = cfg
+            head.config = cfg
+        return emb
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the backbone's floating-point parameters."""
+        dtype = getattr(self.backbone, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        for p in self.backbone.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.get_default_dtype()
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters of the backbone, heads and loss weighting (each shared tensor once)."""
+        skip = set()
+        if exclude_embeddings:
+            skip = {
+                id(m.weight)
+                for m in self.modules()
+                if isinstance(m, nn.Embedding)  # type: ignore[attr-defined]
+            }
+        return sum(
+            p.numel()
+            for p in self.parameters()  # type: ignore[attr-defined]
+            if id(p) not in skip and (p.requires_grad or not only_trainable)
+        )
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """(trainable parameters, all parameters), as peft's method of that name."""
+        return self.num_parameters(only_trainable=True), self.num_parameters()
+
+    def drop_idle_gradients(self) -> list[str]:
+        """In a custom DDP loop with ``find_unused_parameters=False``, call this before
+        ``optimizer.step()``: heads that had no labels on any rank keep no gradient, so the
+        optimizer leaves them untouched (``parallel.drop_idle_gradients``)."""
+        return drop_idle_gradients(self)
+
+    def print_trainable_parameters(self) -> None:
+        """Print ``trainable params: ... || all params: ... || trainable%: ...`` (peft's line)."""
+        trainable, total = self.get_nb_trainable_parameters()
+        share = 100 * trainable / total if total else 0.0
+        print(
+            f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}"
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+def _input_embeddings(backbone: Any) -> nn.Module | None:
+    try:
+        emb = backbone.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    return emb if isinstance(emb, nn.Module) else None
+
+
+def _vocab_size(backbone: Any) -> int | None:
+    emb = _input_embeddings(backbone)
+    weight = getattr(emb, "weight", None)
+    return int(weight.shape[0]) if weight is not None else None
+
+
+@torch.no_grad()
+def _resize_last_linear(backbone: Any, head: nn.Module, new: int, mean_resizing: bool) -> None:
+    """Replace the head's last Linear by one with ``new`` outputs (transformers' own rule)."""
+    old_linear = head.linears[-1]
+    resized = backbone._get_resized_lm_head(old_linear, new, mean_resizing=mean_resizing)
+    resized.requires_grad_(old_linear.weight.requires_grad)
+    for i, m in enumerate(head.mlp):
+        if m is old_linear:
+            head.mlp[i] = resized
+            return
