@@ -38,13 +38,11 @@ lint: $(VENV)/.installed-dev
 format: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
+# The suite (benchmarks/run.py, scenarios a-i) and the other benchmarks/bench_*.py; writes
+# benchmarks/results.json and docs/benchmarks.md. BENCH_ARGS adds options (e.g. --only a,b).
 bench: $(VENV)/.installed-dev
 	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=536870912 \
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_early_exit.py
-	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=536870912 \
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_lora.py
-	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=536870912 \
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_generation.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/run.py --with-others $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,334 @@
+"""Results of the suite: other benchmarks' figures, ``results.json`` and ``docs/benchmarks.md``.
+
+The contract for other benchmarks (see benchmarks/README.md): a module
+``benchmarks/bench_<name>.py`` exposes ``main(argv: list[str] | None = None) -> dict`` and
+its recorded results live in ``benchmarks/results/<name>.json``; both carry
+``{"name": <name>, "figures": [{"name", "value", "unit", "goal", "met"}, ...]}``. A result
+without ``figures`` is still shown, with figures derived from its ratio-like entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+NOTES_START = "<!-- notes: kept by benchmarks/run.py when it rewrites this file -->"
+NOTES_END = "<!-- end of notes -->"
+FIGURE_KEYS = ("name", "value", "unit", "goal", "met")
+
+
+# ---------------------------------------------------------------------- other benchmarks
+def _valid(result: Any) -> bool:
+    figs = result.get("figures") if isinstance(result, dict) else None
+    return isinstance(figs, list) and all(
+        isinstance(f, dict) and {"name", "value"} <= set(f) for f in figs
+    )
+
+
+_FIGURE_HINTS = ("ratio", "_over_", "tokens_per_s", "speedup")
+_SKIP = {"setting", "settings", "attempts", "samples", "samples_s", "other_cores", "goals"}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def derive_figures(result: dict) -> list[dict]:
+    """Figures read from a result without ``figures`` (a tolerant reader): numeric entries up
+    to three levels deep whose name says ratio, _over_, speedup or tokens_per_s; the goal from
+    ``goals[name]`` (or ``goal`` for ``ratio``), met from ``goals_met[name]`` where given."""
+    figs: list[dict] = []
+
+    def walk(d: dict, prefix: str, depth: int) -> None:
+        goals = d.get("goals") if isinstance(d.get("goals"), dict) else {}
+        met = d.get("goals_met") if isinstance(d.get("goals_met"), dict) else {}
+        for k, v in d.items():
+            if k in _SKIP:
+                continue
+            if isinstance(v, dict) and depth < 3:
+                walk(v, f"{prefix}{k}.", depth + 1)
+            elif _number(v) and any(h in k for h in _FIGURE_HINTS):
+                goal = goals.get(k, d.get("goal") if k == "ratio" else None)
+                figs.append(
+                    {
+                        "name": prefix + k,
+                        "value": v,
+                        "unit": "tokens/s" if "per_s" in k else "ratio",
+                        "goal": None if goal is None else str(goal),
+                        "met": met.get(k),
+                    }
+                )
+
+    walk(result, "", 1)
+    return figs
+
+
+def collect_others(bench_dir: Path, run: bool) -> tuple[list[dict], list[str]]:
+    """Figures of the other benchmarks: run each ``bench_*.py``'s ``main([])`` when ``run``,
+    else read what they recorded in ``results/*.json``. Returns (benchmarks, errors)."""
+    found: dict[str, dict] = {}
+    errors: list[str] = []
+    if run:
+        for path in sorted(bench_dir.glob("bench_*.py")):
+            name = path.stem.removeprefix("bench_")
+            try:
+                spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                if not hasattr(mod, "main"):
+                    continue
+                result = mod.main([])
+                source = f"ran {path.name} now"
+                if isinstance(result, dict) and "figures" not in result:
+                    result = {**result, "figures": derive_figures(result)}
+                    source += " (figures derived: it returned no 'figures')"
+                if not _valid(result):
+                    raise ValueError("main() did not return {'figures': [{name, value, ...}]}")
+            except Exception as e:
+                errors.append(f"{path.name}: {type(e).__name__}: {e}")
+                continue
+            found[result.get("name", name)] = {**result, "source": source}
+    for path in sorted((bench_dir / "results").glob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            errors.append(f"{path}: unreadable ({e})")
+            continue
+        if not isinstance(result, dict):
+            continue
+        name = result.get("name", path.stem)
+        source = f"recorded in benchmarks/results/{path.name}"
+        if "figures" not in result:
+            result = {**result, "figures": derive_figures(result)}
+            source += " (figures derived)"
+        if _valid(result) and result["figures"] and name not in found:
+            found[name] = {**result, "source": source}
+    others = [
+        {
+            "name": n,
+            "source": r["source"],
+            "figures": [{k: f.get(k) for k in FIGURE_KEYS} for f in r["figures"]],
+        }
+        for n, r in sorted(found.items())
+    ]
+    return others, errors
+
+
+# ---------------------------------------------------------------------- machine
+def machine_facts(threads: int, device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    facts = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "malloc_env": all(
+            k in os.environ
+            for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+        ),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "device": device,
+    }
+    if device == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name()
+    try:
+        root = Path(__file__).resolve().parent.parent
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        facts["commit"] = commit + ("+changes" if dirty else "")
+    except OSError:
+        pass
+    return facts
+
+
+# ---------------------------------------------------------------------- markdown
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _met(r: dict) -> str:
+    if r["status"] == "n/a":
+        return "n/a"
+    if r["status"] == "error":
+        return "error"
+    if r["met"] is None:
+        return ""
+    if r["met"]:
+        return "yes"
+    return f"**no** (+{r['missed_by'] * 100:.1f} %)" if r.get("missed_by") else "**no**"
+
+
+def _notes(r: dict) -> str:
+    d = r["details"]
+    parts = []
+    ms = d.get("ms")
+    if ms and r["scenario"] not in "bf":
+        parts.append(", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
+    s = r["scenario"]
+    if s == "b" and "probe_k_over_floor_k" in d:
+        parts.append(
+            f"ideal {d['ideal']:.3f}; ÷ {d['k']}-block floor {d['probe_k_over_floor_k']:.2f}; "
+            f"last layer ÷ bare {d['probe_last_over_bare_full']:.2f}; all-states predecessor "
+            f"÷ floor {d['all_states_k_over_floor_k']:.2f}"
+        )
+    if s == "e" and "loss_masking_share" in d:
+        parts.append(
+            f"loss masking alone {d['loss_masking_share']:.3f}, attention padding mask alone "
+            f"{d['backbone_masking_share']:.3f}; {d['pad_fraction'] * 100:.0f} % pads"
+        )
+    if s == "f" and "cache_pass_s" in d:
+        parts.append(
+            f"through the backbone {d['through_s']:.2f} s (step {ms['step']:.1f} ms); cache pass "
+            f"{d['cache_pass_s']:.2f} s ({d['cache_pass_over_epoch']:.2f} epoch) + training "
+            f"{d['cached_training_s']:.2f} s; {d['sequences']} sequences"
+        )
+    if s == "g" and "increment_mib" in d:
+        inc = d["increment_mib"]
+        parts.append(
+            f"MiB above the built model: head {_fmt(inc['headed_mid'], 0)}, all states "
+            f"{_fmt(inc['bare_all_states'], 0)}, bare {_fmt(inc['bare'], 0)} ({d['batch']})"
+        )
+    if s == "h" and "layer_2_on_over_off" in d:
+        parts.append(f"probe on layer 2: {d['layer_2_on_over_off']:.3f}")
+    if s == "i":
+        if "bare_compile_s" in d:
+            parts.append(
+                f"compile: headkit {d['headkit_compile_s']:.0f} s, bare {d['bare_compile_s']:.0f} s"
+            )
+        if "graph_breaks" in d:
+            parts.append(f"{d['graph_breaks']} graph breaks")
+    if r.get("note"):
+        parts.append(r["note"][:300])
+    oc = d.get("other_cores")
+    if oc is not None:
+        parts.append(f"load {oc:.2f} cores" + (" (noisy)" if oc > 0.2 else ""))
+    return "; ".join(parts).replace("|", "\\|")
+
+
+def markdown(results: dict, previous: str | None) -> str:
+    m, st = results["machine"], results["settings"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- generated by benchmarks/run.py; only the notes section at the end is kept -->",
+        "",
+    ]
+    if results.get("note"):
+        lines += [f"**{results['note']}**", ""]
+    lines += [
+        "Every figure is a ratio measured inside one process: headkit's cost over its floor or "
+        "peer, the two sides alternated step by step, median of each side "
+        f"({st['steps']} timed steps after {st['warmup']} warm-up; a scenario is rerun up to "
+        f"{st['retries']} times when other processes used more than {st['max_load']} cores). "
+        "See benchmarks/README.md for what each scenario compares.",
+        "",
+        "Command: "
+        + "; then ".join(f"`{c}`" for c in results.get("commands") or [results["command"]])
+        + (
+            " (with --merge: each record's measured_at says which run)"
+            if len(results.get("commands") or []) > 1
+            else ""
+        ),
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, device "
+        f"{m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}; Python {m['python']}, "
+        f"torch {m['torch']}, transformers {m['transformers']}; malloc env vars: "
+        f"{m['malloc_env']}; OMP_WAIT_POLICY {m.get('omp_wait_policy', '?')}; "
+        f"commit {m.get('commit', '?')}; {results['created']}.",
+        "",
+        f"Models: random {', '.join(st['archs'])} built from configs, {st['layers']} layers, "
+        f"hidden {st['hidden']}, {st['dtype']}; batch {st['batch']} x {st['seq']} tokens.",
+        "",
+        "| scenario | arch | ratio | goal | met? | notes |",
+        "|---|---|---:|---|---|---|",
+    ]
+    for r in results["records"]:
+        lines.append(
+            f"| {r['scenario']}: {r['figure']} | {r['arch']} | {_fmt(r['ratio'])} | "
+            f"{r['goal'] or ''} | {_met(r)} | {_notes(r)} |"
+        )
+    thr = [r for r in results["records"] if r["details"].get("tokens_per_s")]
+    if thr:
+        lines += [
+            "",
+            "## Absolute throughput (tokens/s per side)",
+            "",
+            "| scenario | arch | sides |",
+            "|---|---|---|",
+        ]
+        for r in thr:
+            sides = ", ".join(f"{k} {v:,.0f}" for k, v in r["details"]["tokens_per_s"].items())
+            lines.append(f"| {r['name']} | {r['arch']} | {sides} |")
+    others = results.get("others") or []
+    if others:
+        lines += [
+            "",
+            "## Other benchmarks",
+            "",
+            "| benchmark | figure | value | unit | goal | met? | source |",
+            "|---|---|---:|---|---|---|---|",
+        ]
+        for o in others:
+            for f in o["figures"]:
+                met = "" if f.get("met") is None else ("yes" if f["met"] else "**no**")
+                lines.append(
+                    f"| {o['name']} | {f['name']} | {_fmt(f['value'])} | {f.get('unit') or ''} "
+                    f"| {f.get('goal') or ''} | {met} | {o['source']} |"
+                )
+    if results.get("errors"):
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
+    notes = ""
+    if previous and NOTES_START in previous and NOTES_END in previous:
+        notes = previous.split(NOTES_START, 1)[1].split(NOTES_END, 1)[0].strip("\n")
+    lines += ["", NOTES_START, notes, NOTES_END, ""]
+    return "\n".join(lines)
+
+
+def write(results: dict, out: Path, doc: Path | None) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    if doc is not None:
+        previous = doc.read_text() if doc.exists() else None
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        doc.write_text(markdown(results, previous))
+
+
+def command_line() -> str:
+    """How this run was started (relative script path; a --note's text is elided)."""
+    argv = list(sys.argv[1:])
+    for i, a in enumerate(argv[:-1]):
+        if a == "--note":
+            argv[i + 1] = "…"
+    script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):  # outside the working directory: keep it absolute
+        script = script.relative_to(Path.cwd())
+    return shlex.join(["python", script.as_posix(), *argv])
