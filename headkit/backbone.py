@@ -156,7 +156,11 @@ def run_backbone(
 
     With ``early_exit`` the forward stops right after the deepest wanted block, so later
     blocks never run; the model output is then ``None``. Hooks live for this call only.
+    Under ``torch.compile`` the states come from the model's ``hidden_states`` instead
+    (hooks cannot be added inside a traced graph), and every block runs.
     """
+    if torch.compiler.is_compiling():
+        return _run_traced(model, info, wanted, inputs)
     L = info.num_layers
     captured: dict[int, torch.Tensor] = {}
     from_output = L in wanted and info.tie_last
@@ -196,3 +200,38 @@ def run_backbone(
     if missing:
         raise RuntimeError(f"layers {sorted(missing)} did not run in {type(model).__name__}")
     return captured, out
+
+
+def _run_traced(
+    model: nn.Module, info: BackboneInfo, wanted: set[int], inputs: dict
+) -> tuple[dict[int, torch.Tensor], object]:
+    """``run_backbone`` inside torch.compile: HF's ``hidden_states`` (the same indices)."""
+    L = info.num_layers
+    if wanted <= {L} and info.tie_last:
+        out = model(**inputs)
+        last = out[0] if not hasattr(out, "last_hidden_state") else out.last_hidden_state
+        return {L: last} if wanted else {}, out
+    asked = inputs.get("output_hidden_states")
+    out = model(**{**inputs, "output_hidden_states": True})
+    states = out.hidden_states
+    captured = {i: states[i] for i in wanted}
+    if not asked:
+        out.hidden_states = None
+    return captured, out
+
+
+def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set[int]) -> None:
+    """Install transformers' own output-capturing hooks now, as its first
+    ``output_hidden_states=True`` call would: under torch.compile heads below the last layer
+    read ``hidden_states``, and hooks cannot be installed inside a traced graph. They do
+    nothing unless hidden states are asked for."""
+    if wanted <= {info.num_layers} and info.tie_last:
+        return
+    try:
+        from transformers.utils import output_capturing as oc
+    except ImportError:  # older transformers: hidden_states without hooks
+        return
+    registry = getattr(oc, "_CAN_RECORD_REGISTRY", None)
+    install = getattr(oc, "maybe_install_capturing_hooks", None)
+    if registry is not None and install is not None and registry.get(model).get("hidden_states"):
+        install(model)

@@ -220,8 +220,13 @@ def head_loss(
     preds: torch.Tensor,
     labels: Any,
     attention_mask: torch.Tensor | None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Validate ``labels`` for this head and return its scalar loss.
+
+    ``check=False`` skips the checks that read label values on the host (class range,
+    finiteness, target range): ``guards.ValueChecks`` runs them once per batch signature on
+    accelerators; dtype and shape are always checked.
 
     preds: (batch, n) for sequence heads, (batch, seq, n) otherwise. The loss is the mean over
     the label elements that count; when nothing counts it is an exact zero that still belongs
@@ -231,15 +236,20 @@ def head_loss(
     labels = fit_labels(cfg, preds, labels_as_tensor(labels, preds.device, _where(cfg)))
     preds, labels, valid = counted_positions(cfg, preds, labels, attention_mask)
     if spec.classes:
-        per, weights = _class_loss(cfg, spec, preds, labels, valid)
+        per, weights = _class_loss(cfg, spec, preds, labels, valid, check)
     else:
-        per, weights = _value_loss(cfg, spec, preds, labels, valid)
+        per, weights = _value_loss(cfg, spec, preds, labels, valid, check)
     per = torch.where(weights > 0, per, torch.zeros_like(per))
     return per.sum() / weights.sum().clamp(min=1)
 
 
 def _class_loss(
-    cfg: HeadConfig, spec: LossSpec, preds: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+    cfg: HeadConfig,
+    spec: LossSpec,
+    preds: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_out = preds.shape[-1]
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
@@ -249,8 +259,8 @@ def _class_loss(
         )
     labels = labels.long()
     valid = valid & (labels != IGNORE_INDEX)
-    bad = valid & ((labels < 0) | (labels >= n_out))
-    if bool(bad.any()):
+    bad = valid & ((labels < 0) | (labels >= n_out)) if check else None
+    if bad is not None and bool(bad.any()):
         value = int(labels[bad][0])
         raise BatchError(
             f"{_where(cfg)}: class index {value} is out of range for num_outputs={n_out}; "
@@ -262,7 +272,12 @@ def _class_loss(
 
 
 def _value_loss(
-    cfg: HeadConfig, spec: LossSpec, preds: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+    cfg: HeadConfig,
+    spec: LossSpec,
+    preds: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not (labels.dtype.is_floating_point or labels.dtype in _NUMERIC):
         raise BatchError(
@@ -273,18 +288,18 @@ def _value_loss(
     ignored = labels == IGNORE_INDEX
     if spec.ignores_minus_100:
         counts = counts & ~ignored
-    elif bool((counts & ignored).any()):
+    elif check and bool((counts & ignored).any()):
         raise BatchError(
             f"{_where(cfg)}: a label is {IGNORE_INDEX}, the value that marks an ignored position, "
             f"but loss_fct={cfg.loss_fct!r} would train towards it as a real target; use "
             "loss_fct='masked_mse' to ignore such positions"
         )
-    if bool((counts & ~torch.isfinite(labels)).any()):
+    if check and bool((counts & ~torch.isfinite(labels)).any()):
         raise BatchError(
             f"{_where(cfg)}: labels contain NaN or infinite values at positions that count; "
             "regression labels must be finite"
         )
-    if spec.target_range is not None:
+    if check and spec.target_range is not None:
         lo, hi = spec.target_range
         outside = counts & ((labels < lo) | (labels > hi))
         if bool(outside.any()):

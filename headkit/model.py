@@ -26,11 +26,12 @@ from .adapter_layers import (
     merge_adapters,
     unwrap_peft_model,
 )
-from .backbone import BackboneInfo, base_model_of, inspect_backbone
+from .backbone import BackboneInfo, base_model_of, inspect_backbone, prepare_tracing
 from .checkpoint import restore, save_checkpoint
 from .config import HeadConfig
-from .errors import BatchError, CheckpointError, ConfigError, NonFiniteLossError
+from .errors import BatchError, CheckpointError, ConfigError
 from .generation import HeadedGenerationMixin
+from .guards import NonFiniteGuard, ValueChecks
 from .heads import Head, HeadDict, build_head, get_submodule_by_name
 from .hf import PreTrainedConveniences, hide_head_dicts_from_trainer
 from .inputs import MODEL_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
@@ -139,6 +140,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self.source = source
         self.early_exit = early_exit
         self.check_inputs = check_inputs
+        self._value_checks = ValueChecks()  # on accelerators: once per batch signature
+        self._guard = NonFiniteGuard()  # the non-finite loss guard (sync-free on CUDA)
         self.nonfinite_loss = nonfinite_loss
         self.allow_unused_labels = bool(allow_unused_labels)
         self.max_head_parameters = _check_budget(max_head_parameters)
@@ -174,6 +177,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         else:
             freeze_unreached(self)
         hide_head_dicts_from_trainer(self.backbone.config)
+        prepare_tracing(self.backbone, self.info, set(self._hooks.values()))  # torch.compile
         self.set_loss_weighting(loss_weighting)
         # ``model.forward`` advertises the heads' targets (see labels.ForwardWithTargets).
         self.forward = ForwardWithTargets(type(self).forward, self)
@@ -309,7 +313,10 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         ``labels={target: tensor, ...}`` (a mapping) is accepted too: it is what HF Trainer
         recognises as the batch's labels (it looks for a key named "labels").
         """
+        self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
         labels = self._route_labels(labels)
+        given = {"input_ids": input_ids, "attention_mask": attention_mask, **labels}
+        check = self.check_inputs and self._value_checks.due(given)  # (guards.py)
         inputs = prepare_inputs(
             self.backbone,
             self.info,
@@ -322,14 +329,14 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
-            check=self.check_inputs,
+            check=check,
         )
         full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
         wanted = set(self._hooks.values())
         captured, out = run_stage(self.backbone, self.info, inputs, wanted, not full)
         features = self.head_inputs(captured, inputs.mask)
         preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
-        losses = self.head_losses(preds, labels, inputs.mask)
+        losses = self.head_losses(preds, labels, inputs.mask, check)
         loss, adapted = self.combine_losses(losses)
         if self.training and torch.is_grad_enabled() and inside_strict_ddp():
             loss = join_idle(self, loss, preds, set(adapted))
@@ -385,47 +392,22 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         preds: dict[str, torch.Tensor],
         labels: Mapping[str, Any],
         mask: torch.Tensor | None,
+        check: bool = True,
     ) -> dict[str, torch.Tensor]:
-        """Each head's loss, for the heads that have a loss and a label in ``labels``."""
+        """Each head's loss, for the heads that have a loss and a label in ``labels``
+        (``check``: validate the labels' values on the host)."""
         losses: dict[str, torch.Tensor] = {}
         for name, cfg in self.head_configs.items():
             y = labels.get(cfg.target)
             if y is not None and cfg.loss_fct is not None:
-                losses[name] = head_loss(cfg, preds[name], y, mask)
+                losses[name] = head_loss(cfg, preds[name], y, mask, check)
         return losses
 
     def combine_losses(
         self, losses: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Apply the loss weighting and non-finite guard; return (total, adapted by head)."""
-        if not losses:
-            return None, {}
-        for name, value in list(losses.items()):
-            if not bool(torch.isfinite(value).all()):
-                if self.nonfinite_loss == "raise":
-                    raise NonFiniteLossError(
-                        f"head {name!r} produced a non-finite loss ({float(value.detach())}); pass "
-                        "nonfinite_loss='skip' to HeadedModel to leave such losses out"
-                    )
-                warnings.warn(f"head {name!r}: non-finite loss skipped", stacklevel=3)
-                losses = {k: v for k, v in losses.items() if k != name}
-        adapted = self.loss_weighting(losses)
-        total = sum(adapted.values()) if adapted else None
-        if total is not None and not bool(torch.isfinite(total).all()):
-            parts = ", ".join(f"{n}: {float(v.detach()):g}" for n, v in adapted.items())
-            if self.nonfinite_loss == "raise":
-                raise NonFiniteLossError(
-                    f"the total loss of heads {sorted(adapted)} is non-finite "
-                    f"({float(total.detach())}) although each head's loss is finite (weighted: "
-                    f"{parts}); lower their loss_weight, or pass nonfinite_loss='skip' to "
-                    "HeadedModel to skip such steps"
-                )
-            warnings.warn(
-                f"heads {sorted(adapted)}: non-finite total loss ({parts}); step skipped",
-                stacklevel=3,
-            )
-            return None, adapted
-        return total, adapted
+        return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ first); the first call per shape may sync.
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 
 import pytest
@@ -36,7 +37,12 @@ def _syncs(fn) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchron" in str(w.message)]
+    # headkit's own: transformers' mask code may read the mask (``padding_mask.all()``) itself
+    return [
+        f"{w.filename}:{w.lineno}: {w.message}"
+        for w in caught
+        if "synchron" in str(w.message) and f"{os.sep}headkit{os.sep}" in w.filename
+    ]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
@@ -69,4 +75,5 @@ def test_headed_forward_does_not_sync(make_tiny, arch: str, layer: int) -> None:
 
     step()  # the first call per shape may check on the host
     syncs = _syncs(step)
+    syncs += _syncs(step)  # and the next, which reads the first one's loss flags
     assert not syncs, f"{len(syncs)} host-device syncs in a headed forward:\n" + "\n".join(syncs)
