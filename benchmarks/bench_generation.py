@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from _harness import busy_seconds, own_seconds  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from headkit import HeadConfig, HeadedModel
@@ -65,19 +66,6 @@ def build() -> tuple[LlamaForCausalLM, HeadedModel, dict[str, torch.Tensor]]:
     lengths = torch.linspace(PROMPT, 11, BATCH).long()
     mask = (torch.arange(PROMPT)[None, :] >= PROMPT - lengths[:, None]).long()
     return hf, headed, {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
-
-
-def busy_seconds() -> float:
-    """CPU seconds all processes have spent busy so far (/proc/stat, every core)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def timed_block(runs: dict, warmup: int, steps: int) -> dict:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _harness import busy_seconds  # noqa: E402
 from peft import LoraConfig, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
@@ -119,13 +120,6 @@ def scenarios(base: Path) -> tuple[dict[str, Callable[[], float]], dict[str, int
         "layer2": sum(p.numel() for p in layer2.parameters() if p.requires_grad),
     }
     return runs, trainable
-
-
-def busy_seconds() -> float:
-    """CPU seconds all processes spent busy so far (/proc/stat)."""
-    with open("/proc/stat") as f:
-        vals = [float(x) for x in f.readline().split()[1:]]
-    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def time_rounds(runs: dict[str, Callable[[], float]], warmup: int, rounds: int) -> list[dict]:

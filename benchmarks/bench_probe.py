@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _harness import busy_seconds, own_seconds  # noqa: E402
 from transformers import AutoModel, AutoTokenizer
 
 from headkit import probe_layers
@@ -45,19 +46,6 @@ from headkit.packaged import minilm_path, rotten_tomatoes
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LOAD = 0.2
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
-
-
-def busy_seconds() -> float:
-    """CPU seconds all processes have spent busy so far (/proc/stat, every core)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def timed(fn: Callable[[], object], retries: int) -> tuple[float, float, int, float]:

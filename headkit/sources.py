@@ -7,14 +7,13 @@ SmolLM2-135M GGUF (de-quantised to float32). Nothing is downloaded for those.
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from .errors import CheckpointError, ConfigError
+from .source import load_backbone
 
 PACKAGED_MODELS = ("packaged:minilm", "packaged:smollm2")
 #: from_pretrained keyword arguments a tokenizer needs too.
@@ -43,29 +42,11 @@ def resolve_model(
 def load_model(
     source: str | os.PathLike, model_kwargs: dict[str, Any] | None = None, causal_lm: bool = False
 ) -> PreTrainedModel:
-    """``AutoModel`` (or ``AutoModelForCausalLM``) from ``source``, in eval mode.
-
-    Never runs code from the checkpoint (``trust_remote_code=False``); loading errors become a
-    CheckpointError naming the source.
-    """
+    """``AutoModel`` (or ``AutoModelForCausalLM``) from ``source``, in eval mode, through
+    ``source.load_backbone``: no code from the checkpoint runs, and loading errors become a
+    CheckpointError naming the source."""
     path, kwargs = resolve_model(source, model_kwargs)
-    dtype = kwargs.pop("torch_dtype", None)
-    if dtype is not None:
-        kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    kwargs.setdefault("trust_remote_code", False)
-    cls = AutoModelForCausalLM if causal_lm else AutoModel
-    try:
-        return cls.from_pretrained(path, **kwargs).eval()
-    except (
-        OSError,
-        ValueError,
-        RuntimeError,
-        TypeError,
-        KeyError,
-        EOFError,
-        pickle.UnpicklingError,  # a *.bin that torch.load(weights_only=True) refuses
-    ) as e:
-        raise CheckpointError(f"cannot load a model from {path!r}: {e}") from None
+    return load_backbone(path, causal_lm=causal_lm, **kwargs).eval()
 
 
 def load_tokenizer(source: str | os.PathLike, model_kwargs: dict[str, Any] | None = None) -> Any:
