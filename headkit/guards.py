@@ -5,10 +5,11 @@ waits for every kernel queued before it. On the CPU that costs nothing, so every
 on every batch. On an accelerator:
 
 - **value checks** of a batch (token ids in the vocabulary, mask values, positions, class
-  indices, finite labels) run the first time each *signature* is seen (the names, shapes,
-  dtypes and devices of the inputs and labels), as ``ValueChecks.due`` decides; later batches
-  of that signature only get the checks that need no read. Check batches on the CPU (the
-  collator's output, before ``.to(device)``) or pass ``check_inputs=False`` to skip them.
+  indices, finite labels) run until a batch of each *signature* (the names, shapes, dtypes
+  and devices of the inputs and labels) has passed them (``ValueChecks.due`` / ``passed``);
+  later batches of that signature only get the checks that need no read (a bad value there
+  meets the backbone or the loss: on CUDA a device-side assert, not a headkit error).
+  ``check_inputs=False`` skips the checks altogether.
 - **the non-finite loss guard** (``nonfinite_loss="raise"``) on CUDA copies the step's
   losses to pinned host memory without waiting and reads them at the next forward, once
   the copy has landed: the error comes one step late and names the head, and nothing
@@ -44,26 +45,32 @@ class ValueChecks:
     """Which batches get the value checks: every one on the CPU, the first of each
     signature elsewhere (see module docstring)."""
 
+    #: Device types whose batches are all checked (reading their values costs nothing).
+    every_batch_devices: tuple[str, ...] = ("cpu", "meta")
+
     def __init__(self) -> None:
         self._seen: set[tuple] = set()
 
-    def due(self, tensors: Mapping[str, Any]) -> bool:
-        """Whether this batch's values should be checked on the host now."""
+    def due(self, tensors: Mapping[str, Any]) -> tuple | None:
+        """The batch's signature when its values should be checked on the host now (pass it
+        to ``passed`` once they were), else None."""
         if compiling():
-            return False
+            return None
         key = tuple(
             (k, tuple(v.shape), v.dtype, v.device)
             for k, v in sorted(tensors.items())
             if isinstance(v, torch.Tensor)
         )
-        if all(d[3].type in ("cpu", "meta") for d in key):
-            return True
-        if key in self._seen:
-            return False
+        return None if key in self._seen else key
+
+    def passed(self, key: tuple | None) -> None:
+        """Record that a batch of signature ``key`` passed the checks: off the CPU, later
+        batches of that signature are not read again."""
+        if key is None or all(d[3].type in self.every_batch_devices for d in key):
+            return
         if len(self._seen) >= MAX_SIGNATURES:
             self._seen.clear()
         self._seen.add(key)
-        return True
 
     def __deepcopy__(self, memo: dict) -> ValueChecks:
         return ValueChecks()
@@ -78,6 +85,9 @@ class _Pending:
 
 class NonFiniteGuard:
     """Raise on, or leave out, a head loss that is NaN or infinite (module docstring)."""
+
+    #: Device types whose losses ``"raise"`` reads one step late, without waiting.
+    deferred_devices: tuple[str, ...] = ("cuda",)
 
     def __init__(self) -> None:
         self._pending: deque[_Pending] = deque()
@@ -114,7 +124,7 @@ class NonFiniteGuard:
         if not losses:
             return None, {}
         device = next(iter(losses.values())).device
-        if compiling() or (policy == "raise" and device.type == "cuda"):
+        if compiling() or (policy == "raise" and device.type in self.deferred_devices):
             adapted = weighting(losses)
             total = sum(adapted.values())
             if not compiling():
@@ -153,11 +163,24 @@ class NonFiniteGuard:
         """Queue a copy of this step's losses to pinned host memory (no wait)."""
         stacked = torch.stack([v.detach().float().reshape(()) for v in losses.values()])
         stacked = torch.cat([stacked, total.detach().float().reshape(1)])
-        host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(stacked, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        if stacked.device.type == "cuda":
+            host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            event: Any = torch.cuda.Event()
+            event.record()
+        else:  # (another deferred device type: a plain copy, already complete)
+            host, event = stacked.cpu(), _Landed()
         self._pending.append(_Pending([*losses, ""], host, event))
+
+
+class _Landed:
+    """The event of a copy that has completed."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
 
 
 def _finite(v: float) -> bool:

@@ -316,7 +316,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
         labels = self._route_labels(labels)
         given = {"input_ids": input_ids, "attention_mask": attention_mask, **labels}
-        check = self.check_inputs and self._value_checks.due(given)  # (guards.py)
+        signature = self._value_checks.due(given) if self.check_inputs else None  # guards.py
+        check = signature is not None
         inputs = prepare_inputs(
             self.backbone,
             self.info,
@@ -337,6 +338,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         features = self.head_inputs(captured, inputs.mask)
         preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
         losses = self.head_losses(preds, labels, inputs.mask, check)
+        self._value_checks.passed(signature)
         loss, adapted = self.combine_losses(losses)
         if self.training and torch.is_grad_enabled() and inside_strict_ddp():
             loss = join_idle(self, loss, preds, set(adapted))

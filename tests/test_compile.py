@@ -64,8 +64,34 @@ def test_a_compiled_train_step_learns_like_eager(tiny_gpt2) -> None:
 def test_value_checks_run_on_every_cpu_batch() -> None:
     checks = ValueChecks()
     batch = _batch()
-    assert all(checks.due(batch) for _ in range(3))
-    assert copy.deepcopy(checks).due(batch)
+    for _ in range(3):
+        key = checks.due(batch)
+        assert key is not None
+        checks.passed(key)
+    assert copy.deepcopy(checks).due(batch) is not None
+
+
+def test_off_the_cpu_values_are_checked_once_per_batch_signature(tiny_bert) -> None:
+    """The accelerator rule, run on the CPU: the first batch of each signature is checked."""
+    checks = ValueChecks()
+    checks.every_batch_devices = ()
+    batch = _batch()
+    key = checks.due(batch)
+    assert key is not None and checks.due(batch) is not None  # not yet passed: checked
+    checks.passed(key)
+    assert checks.due(batch) is None and checks.due(_batch(1)) is None  # same signature
+    assert checks.due({**batch, "cls": batch["cls"].int()}) is not None  # another dtype
+    model = HeadedModel(tiny_bert, _heads(-1))
+    model._value_checks.every_batch_devices = ()
+    bad = _batch()
+    bad["tags"][0, 0] = 7
+    for _ in range(2):  # a batch that fails leaves its signature unchecked-for
+        with pytest.raises(BatchError, match="class index 7 is out of range"):
+            model(**bad)
+    model(**_batch())  # this one passes: the signature is known...
+    shorter = {k: v[:2] for k, v in bad.items()}
+    with pytest.raises(BatchError, match="class index 7 is out of range"):
+        model(**shorter)  # ...a new shape is checked again
 
 
 def test_a_bad_label_in_a_later_cpu_batch_of_the_same_shape_is_still_caught(tiny_bert) -> None:
@@ -87,3 +113,22 @@ def test_the_cpu_guard_raises_at_once_and_skip_leaves_the_head_out(tiny_bert) ->
     with pytest.warns(UserWarning, match="non-finite loss skipped"):
         out = model(**batch)
     assert set(out.adapted_loss_by_head) == {"tags", "cls"} and torch.isfinite(out.loss)
+
+
+def test_a_deferred_guard_raises_at_the_next_forward_naming_the_head(tiny_bert) -> None:
+    """The CUDA path of the guard, run on the CPU: the losses are read one step late."""
+    model = HeadedModel(tiny_bert, _heads(-1))
+    model._guard.deferred_devices = ("cpu",)
+    bad, good = _batch(), _batch()
+    bad["score"][0, 0] = 1e30  # an infinite squared error
+    out = model(**bad)  # nothing read yet: the loss comes back as computed
+    assert not torch.isfinite(out.loss)
+    with pytest.raises(NonFiniteLossError, match=r"head 'score' produced a non-finite loss in an"):
+        model(**good)
+    out = model(**good)  # the flags were read: training goes on
+    assert torch.isfinite(out.loss)
+    model(**bad)
+    twin = copy.deepcopy(model)  # a copy does not inherit what the original has yet to read
+    assert torch.isfinite(twin(**good).loss)
+    with pytest.raises(NonFiniteLossError):
+        model._guard.check_pending(wait=True)
