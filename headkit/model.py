@@ -83,8 +83,10 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     embeddings, so its predictions equal the original LM logits (a frozen one of a frozen backbone
     that ties it to its input embeddings shares that matrix). The backbone is not
     modified (only frozen, and then put in eval mode, if asked; the per-head output dicts
-    are added to its config's ``keys_to_ignore_at_inference`` for Trainer), so peft and
-    generation utilities can wrap it.
+    are added to its config's ``keys_to_ignore_at_inference`` for Trainer; with heads below
+    the last layer, transformers' own output-capturing hooks are installed as its first
+    ``output_hidden_states`` call would, for torch.compile), so peft and generation
+    utilities can wrap it.
 
     LoRA: ``model`` may be a ``PeftModel`` or a model with peft adapters injected (see
     ``headkit.lora``); the adapted bare transformer becomes the backbone, and
