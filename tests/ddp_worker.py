@@ -114,3 +114,8 @@ def main(out_dir: str, per_device_batch: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
+    # Leave together: a rank that exits while its peer's gloo threads still talk to it makes
+    # the peer abort (SIGABRT) at shutdown.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

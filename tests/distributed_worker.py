@@ -136,3 +136,8 @@ if __name__ == "__main__":
     target = Path(sys.argv[1])
     run_loop(target)
     run_trainer(target)
+    # Leave together: a rank that exits while its peer's gloo threads still talk to it makes
+    # the peer abort (SIGABRT) at shutdown.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
