@@ -34,14 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _harness import busy_seconds, own_seconds  # noqa: E402
+from _harness import MALLOC_ENV, busy_seconds, own_seconds  # noqa: E402
 from transformers import AutoModel, AutoTokenizer
 
 from headkit import HeadConfig, HeadedModel, cache_features, train_heads_on_features
 from headkit.packaged import minilm_path, rotten_tomatoes
 
 MAX_LOAD = 0.2  # other processes' cores allowed during a timed phase
-MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 def timed(fn: Callable[[], object], replay: Callable[[], object] | None, retries: int = 2):

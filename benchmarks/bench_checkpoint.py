@@ -38,13 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _harness import busy_seconds, own_seconds  # noqa: E402
+from _harness import MALLOC_ENV, busy_seconds, own_seconds  # noqa: E402
 
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "4294967296",
-    "MALLOC_TRIM_THRESHOLD_": "4294967296",
-    "MALLOC_TOP_PAD_": "536870912",
-}
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 
 

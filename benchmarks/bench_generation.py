@@ -30,14 +30,13 @@ import time
 from pathlib import Path
 
 import torch
-from _harness import busy_seconds, own_seconds  # noqa: E402
+from _harness import MALLOC_ENV, busy_seconds, own_seconds  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from headkit import HeadConfig, HeadedModel
 
 LAYERS, HIDDEN, VOCAB, BATCH, NEW, PROMPT = 12, 256, 32000, 8, 64, 32
 MAX_LOAD = 0.2  # other processes' cores allowed during the timed block
-MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 OUT = Path(__file__).parent / "results" / "generation.json"
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _harness import busy_seconds  # noqa: E402
+from _harness import MALLOC_ENV, busy_seconds  # noqa: E402
 from peft import LoraConfig, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
@@ -46,7 +46,6 @@ LAYERS, HIDDEN, BATCH, SEQ, VOCAB = 12, 256, 8, 128, 1000
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0}
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_LOAD = 0.2  # cores used by other processes during a round before it is left out
-MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 RESULTS = Path(__file__).parent / "results" / "lora.json"
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _harness import busy_seconds, own_seconds  # noqa: E402
+from _harness import MALLOC_ENV, busy_seconds, own_seconds  # noqa: E402
 from transformers import AutoModel, AutoTokenizer
 
 from headkit import probe_layers
@@ -45,7 +45,6 @@ from headkit.packaged import minilm_path, rotten_tomatoes
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LOAD = 0.2
-MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 def timed(fn: Callable[[], object], retries: int) -> tuple[float, float, int, float]:

@@ -25,7 +25,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import ModelOutput
 
 from .errors import BatchError, ConfigError
-from .inputs import check_inputs, prepare_inputs, run_stage
+from .inputs import cache_of, check_inputs, prepare_inputs, run_stage
 
 if TYPE_CHECKING:
     from .model import HeadedModel
@@ -318,7 +318,7 @@ class _HeadedDriver:
         self.recorder.record(past, input_ids, position_ids, captured, logits, headed, plan)
         return CausalLMOutputWithPast(
             logits=logits,
-            cache=getattr(out, "cache", None) if out is not None else cache,
+            cache=cache_of(out) if out is not None else cache,
             hidden_states=getattr(out, "hidden_states", None),
             attentions=getattr(out, "attentions", None),
         )

@@ -20,6 +20,7 @@ on every batch. On an accelerator:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -109,7 +110,7 @@ class NonFiniteGuard:
                 p.event.synchronize()
             self._pending.popleft()
             values = p.values.tolist()
-            bad = [n for n, v in zip(p.names, values) if not _finite(v)]
+            bad = [n for n, v in zip(p.names, values) if not math.isfinite(v)]
             if bad:
                 self._pending.clear()
                 raise NonFiniteLossError(_late_message(p.names, values, bad[0]))
@@ -181,10 +182,6 @@ class _Landed:
 
     def synchronize(self) -> None:
         return None
-
-
-def _finite(v: float) -> bool:
-    return v == v and v not in (float("inf"), float("-inf"))
 
 
 def _late_message(names: list[str], values: list[float], bad: str) -> str:

@@ -317,3 +317,10 @@ def _check_mask(attention_mask: Any, batch_seq: tuple[int, ...], past: int) -> N
             f"attention_mask holds {attention_mask[odd][0].item()!r}; allowed: 0 (padding) "
             "or 1 (token)"
         )
+
+
+def cache_of(out: Any) -> Any:
+    """The KV cache of a backbone output: ``cache`` (transformers >= 5.2x; its deprecated alias
+    ``past_key_values`` warns) or ``past_key_values`` (earlier versions)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)

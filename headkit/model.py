@@ -34,7 +34,7 @@ from .generation import HeadedGenerationMixin
 from .guards import NonFiniteGuard, ValueChecks
 from .heads import Head, HeadDict, build_head, get_submodule_by_name
 from .hf import PreTrainedConveniences, hide_head_dicts_from_trainer
-from .inputs import MODEL_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
+from .inputs import MODEL_INPUTS, cache_of, drop_tokenizer_extras, prepare_inputs, run_stage
 from .labels import ForwardWithTargets, route_labels, unused_targets
 from .losses import head_loss
 from .parallel import freeze_unreached, inside_strict_ddp, join_idle
@@ -351,7 +351,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
             loss_by_head=losses,
             adapted_loss_by_head=adapted,
             preds_by_head=preds,
-            cache=_cache_of(out) if use_cache and out is not None else None,
+            cache=cache_of(out) if use_cache and out is not None else None,
             hidden_states=getattr(out, "hidden_states", None) if out is not None else None,
             attentions=getattr(out, "attentions", None) if out is not None else None,
         )
@@ -452,13 +452,6 @@ def _check_budget(value: Any) -> int | None:
             f"max_head_parameters={value!r} is invalid; a positive integer, or None for no limit"
         )
     return int(value)
-
-
-def _cache_of(out: Any) -> Any:
-    """The KV cache of a backbone output: ``cache`` (transformers >= 5.2x; its deprecated alias
-    ``past_key_values`` warns) or ``past_key_values`` (earlier versions)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def _device_of(module: nn.Module) -> torch.device:
