@@ -119,7 +119,7 @@ def _overhead(backbone, ckpt: Path, path: str, gguf: str) -> dict:
     (``load_headed(backbone, head_folder_path=)``), and describing the source (fingerprint
     and, in this headkit, the load stamp: ``source_of``)."""
     from headkit import load_headed
-    from headkit.source import source_of
+    from headkit.backbone.sources import source_of
 
     apply, source = [], []
     for _ in range(5):
@@ -131,8 +131,8 @@ def _overhead(backbone, ckpt: Path, path: str, gguf: str) -> dict:
 def _fingerprints(model) -> dict | None:
     """This headkit's fingerprint work vs the previous one's, alternated on one backbone."""
     try:
-        from headkit.fingerprint import LoadStamp, legacy_fingerprint
-        from headkit.source import model_fingerprint
+        from headkit.backbone.fingerprint import LoadStamp, legacy_fingerprint
+        from headkit.backbone.sources import model_fingerprint
     except ImportError:  # the previous headkit: it has none of these
         return None
     from headkit.packaged import SMOLLM2_GGUF, smollm2_path

@@ -133,7 +133,7 @@ def usual_recipe(model, tok, texts, labels, test_index, fit_index, batch_size, m
 
 def fit_rows(tok, texts, labels, max_length: int) -> list[int]:
     """The examples the sweep's first seed trains on (its split, recomputed)."""
-    from headkit.probe_data import prepare_rows, split_rows
+    from headkit.probe.data import prepare_rows, split_rows
 
     rows = prepare_rows(tok, texts, labels, "classification", max_length)
     split = split_rows(rows, 0.2, 0.2, 1, 0)

@@ -1,9 +1,7 @@
 """headkit: attach, train, save and load new heads on any Hugging Face transformer."""
 
-from .activations import ACTIVATIONS
-from .compat import get_model_params, get_top_n_preds, print_trainable_parameters
 from .config import HeadConfig
-from .data import HeadedCollator
+from .data.collator import HeadedCollator
 from .errors import BatchError, CheckpointError, ConfigError, HeadkitError, NonFiniteLossError
 from .features import (
     CachedFeatures,
@@ -11,18 +9,25 @@ from .features import (
     predict_on_features,
     train_heads_on_features,
 )
-from .generation import HeadedGenerateOutput
-from .heads import HEADS, Head, MLPHead
+from .heads.activations import ACTIVATIONS
+from .heads.base import HEADS, Head
+from .heads.mlp import MLPHead
+from .heads.pooling import POOLINGS, PoolingStrategy, SequencePooling
+from .integrations.peft import create_headed_qlora, load_lora_with_heads, merge_and_unload
+from .integrations.sentence_transformers import to_sentence_transformer
+from .integrations.transformer_heads import (
+    get_model_params,
+    get_top_n_preds,
+    print_trainable_parameters,
+)
 from .loading import load_headed
-from .lora import create_headed_qlora, load_lora_with_heads, merge_and_unload
-from .losses import LOSSES, LossSpec
+from .losses.objective import LOSSES, LossSpec
+from .losses.weighting import LossWeighting
 from .metrics import HeadwiseMetrics, evaluate_head_wise
-from .model import HeadedModel, HeadedModelOutput
-from .pooling import POOLINGS, PoolingStrategy, SequencePooling
-from .probe import parse_layers, probe_layers
-from .probe_results import ProbeResults, ProbeRow
-from .st import to_sentence_transformer
-from .weighting import LossWeighting
+from .model.generation import HeadedGenerateOutput
+from .model.headed import HeadedModel, HeadedModelOutput
+from .probe.results import ProbeResults, ProbeRow
+from .probe.sweep import parse_layers, probe_layers
 
 __version__ = "0.1.0"
 
@@ -72,7 +77,7 @@ __all__ = [
 def __getattr__(name: str):
     # HeadedTrainer imports transformers.Trainer (slow, needs accelerate): load it on first use.
     if name == "HeadedTrainer":
-        from .training import HeadedTrainer
+        from .integrations.trainer import HeadedTrainer
 
         return HeadedTrainer
     raise AttributeError(f"module 'headkit' has no attribute {name!r}")

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from .activations import ACTIVATIONS
 from .errors import ConfigError
-from .heads import HEADS
-from .losses import LOSSES, loss_spec, task_of
-from .pooling import parse_pooling
+from .heads.activations import ACTIVATIONS
+from .heads.base import HEADS
+from .heads.pooling import parse_pooling
+from .losses.objective import LOSSES, loss_spec, task_of
 
 _BOOL_FIELDS = (
     "is_causal_lm",

@@ -8,13 +8,20 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from .backbone.sources import (
+    BackboneSource,
+    is_sentence_transformer,
+    load_backbone,
+    requested_dtype,
+    source_of,
+    transformer_folder,
+    transformers_model_of,
+)
 from .checkpoint import read_checkpoint, restore
 from .checkpoint.paths import is_checkpoint
 from .config import HeadConfig
 from .errors import ConfigError
-from .model import HeadedModel
-from .source import BackboneSource, load_backbone, requested_dtype, source_of
-from .st import is_sentence_transformer, transformer_folder, transformers_model_of
+from .model.headed import HeadedModel
 
 
 def load_headed(

@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from .config import HeadConfig
 from .errors import BatchError
-from .labels import keep_model_columns, loss_heads, route_labels, without_unused_labels
-from .losses import IGNORE_INDEX, counted_positions, fit_labels, task_of
+from .losses.objective import IGNORE_INDEX, counted_positions, fit_labels, task_of
+from .model.labels import keep_model_columns, loss_heads, route_labels, without_unused_labels
 
 
 def head_kind(cfg: HeadConfig) -> str:
@@ -246,7 +246,7 @@ def evaluate_head_wise(
         if not isinstance(batch_size, int) or batch_size < 1:
             raise BatchError(f"evaluate_head_wise: batch_size={batch_size!r} is invalid; >= 1")
         if collator is None:
-            from .data import HeadedCollator
+            from .data.collator import HeadedCollator
 
             collator = HeadedCollator(model)
         data = keep_model_columns(data, model.head_configs, "evaluate_head_wise")

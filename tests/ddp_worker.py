@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 from headkit import HeadConfig, HeadedModel, HeadwiseMetrics
-from headkit.training import HeadedTrainer
+from headkit.integrations.trainer import HeadedTrainer
 
 STEPS = 3
 N_EXAMPLES = 8  # one global batch: every step sees the whole data set, in any order

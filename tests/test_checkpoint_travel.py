@@ -19,7 +19,7 @@ from conftest import build_tiny
 from transformers import AutoModel
 
 from headkit import CheckpointError, ConfigError, HeadConfig, HeadedModel, load_headed
-from headkit.fingerprint import SAMPLE, LoadStamp, _sample, files_fingerprint
+from headkit.backbone.fingerprint import SAMPLE, LoadStamp, _sample, files_fingerprint
 from headkit.packaged import minilm_path
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -193,7 +193,7 @@ def test_a_referenced_backbone_replaced_on_disk_is_noticed(tmp_path, gpt2_dir):
 
 
 def test_a_checkpoint_with_an_old_style_fingerprint_still_loads_and_checks(tmp_path, gpt2_dir):
-    from headkit.fingerprint import legacy_fingerprint
+    from headkit.backbone.fingerprint import legacy_fingerprint
 
     model = load_headed(str(gpt2_dir), head_configs=HEADS)
     perturb(model)

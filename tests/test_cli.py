@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tiny_text import planted_texts, save_tiny_text_model, tagged_sentences
 
-from headkit.cli import main
-from headkit.datafiles import read_rows, write_rows
+from headkit.cli.datafiles import read_rows, write_rows
+from headkit.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,7 @@ import torch
 
 from headkit import HeadConfig, HeadedModel
 from headkit.errors import BatchError, NonFiniteLossError
-from headkit.guards import ValueChecks
+from headkit.model.guards import ValueChecks
 
 
 def _heads(layer: int) -> list[HeadConfig]:

@@ -19,7 +19,7 @@ from headkit import (
     HeadedModel,
     LossSpec,
 )
-from headkit.pooling import PoolingStrategy
+from headkit.heads.pooling import PoolingStrategy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

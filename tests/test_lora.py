@@ -39,7 +39,7 @@ from headkit import (
 )
 from headkit.checkpoint import MANIFEST, restore
 from headkit.checkpoint.manifest import sha256_file
-from headkit.lora import heads_to_save
+from headkit.integrations.peft import heads_to_save
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

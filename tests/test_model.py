@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import HIDDEN, PAD, blocks_of, build_tiny
 
 from headkit import BatchError, ConfigError, HeadConfig, HeadedModel
-from headkit.backbone import run_backbone
+from headkit.backbone.inspection import run_backbone
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

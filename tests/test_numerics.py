@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from headkit import HeadConfig
+from headkit.heads.pooling import SequencePooling
 from headkit.metrics import HeadMetric
-from headkit.pooling import SequencePooling
 
 
 # ---------------------------------------------------------------------- poolings

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from headkit import BatchError, HeadConfig, HeadedModel
-from headkit.inputs import prepare_inputs
+from headkit.backbone.inputs import prepare_inputs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -23,7 +23,7 @@ from transformers.models.bert.modeling_bert import BertPooler
 
 from headkit import POOLINGS, ConfigError, HeadConfig, HeadedModel, SequencePooling
 from headkit.errors import BatchError
-from headkit.pooling import parse_pooling
+from headkit.heads.pooling import parse_pooling
 
 HIDDEN = 16
 STRATEGIES = POOLINGS.names()  # every registered strategy, including "pooler"

@@ -11,9 +11,9 @@ from conftest import blocks_of
 from tiny_text import planted_texts, tagged_sentences, tiny_tokenizer
 
 from headkit import ConfigError, HeadConfig, HeadedModel, ProbeResults, parse_layers, probe_layers
-from headkit.encoding import align_labels, encode_words, first_subtokens
-from headkit.probe import parse_poolings
-from headkit.probe_fit import _fit_softmax, bootstrap_interval, fit_and_score, standardise
+from headkit.data.encoding import align_labels, encode_words, first_subtokens
+from headkit.probe.fit import _fit_softmax, bootstrap_interval, fit_and_score, standardise
+from headkit.probe.sweep import parse_poolings
 
 
 @pytest.fixture(autouse=True)

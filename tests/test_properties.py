@@ -29,7 +29,7 @@ from headkit import (
     HeadedModel,
     HeadkitError,
 )
-from headkit.losses import CLASSIFICATION_LOSSES
+from headkit.losses.objective import CLASSIFICATION_LOSSES
 
 pytestmark = pytest.mark.filterwarnings("ignore:head .* is a causal-LM head on a bidirectional")
 

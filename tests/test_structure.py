@@ -289,7 +289,7 @@ def _package_imports() -> dict[str, set[str]]:
 
 def test_the_package_has_no_import_cycles():
     edges = _package_imports()
-    assert "headkit.model" in edges and "headkit.checkpoint.save" in edges
+    assert "headkit.model.headed" in edges and "headkit.checkpoint.save" in edges
     state: dict[str, int] = {}
     cycles = []
 
@@ -307,7 +307,7 @@ def test_the_package_has_no_import_cycles():
             visit(m, [m])
     assert not cycles, cycles
     # the documented direction: nothing below the model imports checkpoints' users
-    assert "headkit.model" not in edges["headkit.checkpoint.restore"]
+    assert not any(e.startswith("headkit.model") for e in edges["headkit.checkpoint.restore"])
     assert "headkit.loading" not in edges["headkit.checkpoint.manifest"]
 
 

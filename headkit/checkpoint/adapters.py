@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..adapter_layers import (
+from ..backbone.adapters import (
     adapter_modules,
     adapter_names,
     has_adapters,
@@ -39,7 +39,7 @@ from ..errors import CheckpointError, ConfigError
 from .manifest import MANIFEST, fsync_file, sha256_file
 
 if TYPE_CHECKING:
-    from ..model import HeadedModel
+    from ..model.headed import HeadedModel
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from ..backbone.sources import RECORDED_KWARGS
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
-from ..source import RECORDED_KWARGS
 from .paths import MANIFEST, MAX_NAME, plain_name
 
 FORMAT = "headkit"

@@ -21,20 +21,26 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..adapter_layers import base_state_dict
-from ..backbone import base_model_of
+from ..backbone.adapters import base_state_dict
+from ..backbone.fingerprint import is_cheap, legacy_fingerprint, tensors_fingerprint
+from ..backbone.inspection import base_model_of
+from ..backbone.sources import (
+    BackboneSource,
+    load_backbone,
+    requested_dtype,
+    resolve_source,
+    source_of,
+)
+from ..backbone.tying import tie_head_weights
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
-from ..fingerprint import is_cheap, legacy_fingerprint, tensors_fingerprint
-from ..source import BackboneSource, load_backbone, requested_dtype, resolve_source, source_of
-from ..tying import tie_head_weights
 from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
 from .manifest import MANIFEST, TIED, read_manifest, sha256_file
 from .paths import HUB_KWARGS, check_inside, check_tree_inside, resolve_checkpoint
 from .sizes import backbone_width, check_sizes
 
 if TYPE_CHECKING:
-    from ..model import HeadedModel
+    from ..model.headed import HeadedModel
 
 
 @dataclass

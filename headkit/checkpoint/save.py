@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors.torch import save_file
 
-from ..adapter_layers import base_parameters, base_state_dict, has_adapters
+from ..backbone.adapters import base_parameters, base_state_dict, has_adapters
+from ..backbone.tying import tied_head_weights
 from ..errors import CheckpointError, ConfigError
-from ..tying import tied_head_weights
 from .adapters import quantization_entry, write_adapter
 from .journal import PendingSave, recover
 from .lock import folder_lock
@@ -42,7 +42,7 @@ from .manifest import (
 from .paths import owned_files, read_raw
 
 if TYPE_CHECKING:
-    from ..model import HeadedModel
+    from ..model.headed import HeadedModel
 
 #: transformers' ``save_pretrained`` keywords headkit accepts (others get a ConfigError).
 SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size")

@@ -29,11 +29,16 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ..backbone.inputs import BATCH_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
-from ..inputs import BATCH_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
-from ..labels import keep_model_columns, route_labels
-from ..losses import IGNORE_INDEX, counted_positions, labels_as_tensor, minus_100_is_ignored
-from ..model import HeadedModel
+from ..losses.objective import (
+    IGNORE_INDEX,
+    counted_positions,
+    labels_as_tensor,
+    minus_100_is_ignored,
+)
+from ..model.headed import HeadedModel
+from ..model.labels import keep_model_columns, route_labels
 from .storage import CachedFeatures, _DiskWriter, _MemoryWriter, _Writer
 
 
@@ -128,7 +133,7 @@ def _loader(model: HeadedModel, dataset: Any, batch_size: Any, collate_fn: Any) 
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} is invalid; an integer >= 1")
     if collate_fn is None:
-        from ..data import HeadedCollator
+        from ..data.collator import HeadedCollator
 
         collate_fn = HeadedCollator(model)
     kept = keep_model_columns(dataset, model.head_configs, "cache_features")

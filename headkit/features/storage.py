@@ -20,7 +20,7 @@ import torch
 
 from ..checkpoint.paths import MAX_NAME, check_inside, plain_name
 from ..errors import BatchError, CheckpointError, ConfigError
-from ..losses import IGNORE_INDEX
+from ..losses.objective import IGNORE_INDEX
 
 FORMAT = "headkit-cached-features"
 FORMAT_VERSION = 1

@@ -15,8 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from ..losses import head_loss
-from ..model import HeadedModel
+from ..losses.objective import head_loss
+from ..model.headed import HeadedModel
 from .caching import _backbone_meta, _plan_heads, check_frozen
 from .storage import CachedFeatures
 

@@ -1,0 +1,183 @@
+"""Heads: ``Head`` (pooling + block_gradients), the ``HEADS`` registry, ``build_head``.
+
+A head kind is a ``Head`` subclass registered by name (``HeadConfig.head_type``, default
+"mlp"). It is built as ``cls(config, pooler_size=..., pooler=...)`` from a resolved config
+(``in_size`` and ``num_outputs`` set) and implements ``from_features`` (what it computes on
+its input); ``Head`` provides the pooling of sequence heads, so a new kind only says what it
+does with a (batch, width) or (batch, seq, in_size) input. Its parameters and buffers are
+saved with the checkpoint like any module's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..registry import Registry
+from .pooling import SequencePooling
+
+if TYPE_CHECKING:
+    from ..config import HeadConfig
+
+HEADS: Registry = Registry("head type", "head_type")
+
+
+class Head(nn.Module):
+    """Base class of head kinds: pooling for sequence heads, then ``from_features``.
+
+    ``pooling_key`` identifies inputs that several heads can share: heads on the same layer
+    with the same parameter-free pooling get one pooled tensor per forward (HeadedModel
+    computes it once).
+    """
+
+    def __init__(
+        self,
+        config: HeadConfig,
+        pooler_size: int | None = None,
+        pooler: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if config.in_size is None or config.num_outputs is None:
+            raise ConfigError(
+                f"{type(self).__name__}({config.name!r}) needs a resolved config: "
+                f"in_size={config.in_size}, num_outputs={config.num_outputs} (HeadedModel fills "
+                "them from the backbone)"
+            )
+        self.config = config
+        self.name = config.name
+        self.pooling: SequencePooling | None = None
+        if config.pred_for_sequence:
+            strategies = config.pooling_strategies or ["first"]
+            self.pooling = SequencePooling(strategies, config.in_size, pooler_size, pooler)
+
+    @property
+    def in_features(self) -> int:
+        """Width of what ``from_features`` takes (the pooled width for sequence heads)."""
+        return self.pooling.out_size if self.pooling is not None else self.config.in_size
+
+    @property
+    def pooling_key(self) -> tuple[Any, ...] | None:
+        """A key under which this head's pooled input can be shared, or None (it can't)."""
+        if self.pooling is None or self.pooling.has_parameters:
+            return None
+        return (self.config.pooling, self.config.block_gradients)
+
+    def features(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        pooler: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """The head's input: pooled (batch, width) or per-token (batch, seq, in_size)."""
+        if self.config.block_gradients:
+            hidden = hidden.detach()
+        if self.pooling is not None:
+            hidden = self.pooling(hidden, mask, pooler)
+        return hidden
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        pooler: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """hidden (batch, seq, in_size) → (batch, num_outputs) or (batch, seq, num_outputs)."""
+        if hidden.shape[-1] != self.config.in_size:
+            raise ConfigError(
+                f"head {self.name!r}: hooked states have width {hidden.shape[-1]} but "
+                f"in_size={self.config.in_size}"
+            )
+        return self.from_features(self.features(hidden, mask, pooler))
+
+    def from_features(self, features: torch.Tensor) -> torch.Tensor:
+        """What the head computes on its (pooled) input."""
+        raise NotImplementedError
+
+
+def build_head(
+    config: HeadConfig,
+    pooler_size: int | None = None,
+    pooler: nn.Module | None = None,
+    max_parameters: int | None = None,
+) -> Head:
+    """Build the head kind named by ``config.head_type`` (``HEADS`` registry).
+
+    With ``max_parameters``, a head that would hold more parameters is refused with a
+    ConfigError before anything is allocated (it is first built on the meta device).
+    """
+    cls = HEADS.get(config.head_type)
+    if max_parameters is not None:
+        _check_head_size(cls, config, pooler_size, pooler, max_parameters)
+    return cls(config, pooler_size=pooler_size, pooler=pooler)
+
+
+def _check_head_size(
+    cls: type[Head], config: HeadConfig, pooler_size: int | None, pooler: Any, limit: int
+) -> None:
+    sizes = {"in_size": config.in_size, "num_outputs": config.num_outputs}
+    if config.num_layers > 1:
+        sizes["hidden_size"] = config.hidden_size
+    fields = ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+    def refuse(count: str) -> ConfigError:
+        # name what the user can lower: in_size is the backbone's width
+        choices = {k: v for k, v in sizes.items() if k != "in_size"}
+        field, value = max(choices.items(), key=lambda kv: kv[1] or 0)
+        return ConfigError(
+            f"HeadConfig(name={config.name!r}): {field}={value} makes a head of {count} "
+            f"parameters ({fields}, num_layers={config.num_layers}), over the limit "
+            f"max_head_parameters={limit:,}; lower {field}, or raise the limit with "
+            "HeadedModel(..., max_head_parameters=...)"
+        )
+
+    largest = max((v or 0) for v in sizes.values())
+    if largest > limit:  # one Linear alone would be too big: do not even describe it
+        raise refuse(f"at least {largest:,}")
+    try:
+        with torch.device("meta"):
+            probe = cls(config, pooler_size=pooler_size, pooler=pooler)
+    except (RuntimeError, OverflowError) as e:  # sizes torch cannot even describe
+        raise refuse(f"too many ({e})") from None
+    count = sum(p.numel() for p in probe.parameters())
+    if count > limit:
+        raise refuse(f"{count:,}")
+
+
+class HeadDict(nn.ModuleDict):
+    """The heads by name: an ``nn.ModuleDict`` that also takes names which are attributes of
+    ``nn.ModuleDict`` (``"type"``, ``"keys"``, ``"to"``, ``"training"``, ...).
+
+    Heads are read by ``heads[name]``; state-dict keys stay ``heads.<name>.``. Attribute
+    access (``heads.keys``) keeps meaning the method, so ``HeadedModel.get_submodule``
+    resolves ``"heads.<name>"`` through the dict.
+    """
+
+    def __setitem__(self, key: str, module: nn.Module) -> None:
+        if not isinstance(key, str) or not key or "." in key:
+            raise ConfigError(f"head name {key!r} is invalid; a non-empty string without '.'")
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"head {key!r} must be an nn.Module, got {type(module).__name__}")
+        self._modules[key] = module  # add_module would refuse names that are attributes
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``train()`` sets ``self.training = mode``: a plain attribute even when a head is
+        # named "training" (nn.Module would refuse a bool for a child's name)
+        if not isinstance(value, nn.Module) and name in self.__dict__.get("_modules", {}):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+def get_submodule_by_name(root: nn.Module, target: str) -> nn.Module:
+    """``root.get_submodule(target)`` that reads each step from ``_modules`` first, so that
+    a head named like a module attribute (``heads.type``) resolves to the head."""
+    mod = root
+    for item in target.split(".") if target else []:
+        child = mod._modules.get(item)
+        if child is None:
+            return nn.Module.get_submodule(mod, item)
+        mod = child
+    return mod

@@ -1,0 +1,72 @@
+"""``MLPHead``, the default head kind ("mlp"): Linear layers with activations between them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .activations import build_activation
+from .base import HEADS, Head
+
+if TYPE_CHECKING:
+    from ..config import HeadConfig
+
+
+@HEADS.register("mlp")
+class MLPHead(Head):
+    """(optional pooling) → Linear [→ activation → Linear]* → output activation.
+
+    ``num_layers=1`` is one Linear(in, out); ``num_layers=n`` is n Linears with
+    ``hidden_activation`` between them and nothing after the last; ``output_activation``
+    follows the last Linear. Sequence heads pool first (``pooling``); the pooled width may
+    exceed ``in_size`` when strategies are concatenated ("mean+max" → 2 × in_size).
+    """
+
+    def __init__(
+        self,
+        config: HeadConfig,
+        pooler_size: int | None = None,
+        pooler: nn.Module | None = None,
+    ) -> None:
+        super().__init__(config, pooler_size, pooler)
+        width = self.in_features
+        layers: list[nn.Module] = []
+        for i in range(config.num_layers):
+            last = i == config.num_layers - 1
+            out = config.num_outputs if last else config.hidden_size
+            if config.dropout > 0:
+                layers.append(nn.Dropout(config.dropout))
+            layers.append(nn.Linear(width, out, bias=config.output_bias if last else True))
+            if not last:
+                layers.append(build_activation(config.hidden_activation))
+            width = out
+        self.mlp = nn.Sequential(*layers)
+        self.output_activation = build_activation(config.output_activation)
+        self.requires_grad_(config.trainable)
+
+    @property
+    def linears(self) -> list[nn.Linear]:
+        """The head's Linear layers, in order."""
+        return [m for m in self.mlp if isinstance(m, nn.Linear)]
+
+    def features(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        pooler: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """The head's input in the head's dtype: pooled (batch, width) or (batch, seq, in)."""
+        return super().features(hidden, mask, pooler).to(self.linears[0].weight.dtype)
+
+    def from_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP and output activation to precomputed ``features``."""
+        return self.output_activation(self.mlp(features.to(self.linears[0].weight.dtype)))
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"name={c.name!r}, layer_hook={c.layer_hook}, kind={c.layout}, in_size={c.in_size}, "
+            f"hidden_size={c.hidden_size}, num_layers={c.num_layers}, num_outputs={c.num_outputs}"
+        )

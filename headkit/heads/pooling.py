@@ -1,0 +1,335 @@
+"""Sequence pooling: reduce token states (batch, seq, hidden) to one vector per sequence.
+
+Every strategy reads padding from the attention mask (never from pad ids), so right
+padding, left padding, pad == eos and one-token sequences all work. None writes into the
+hidden states it is given, and padded positions are selected away with ``torch.where``
+rather than multiplied by 0, so NaN or inf at padded positions cannot leak into a result.
+Averages (mean, mean_sqrt_len, weighted_mean) accumulate in float32 or wider and never
+overflow where the exact answer is finite; for half-precision states they return float32
+(a concatenation with selections is promoted to it). Strategies are registered by name
+(``POOLINGS``) and can be concatenated with "+" ("mean+max"); aliases: "cls" → "first".
+See docs/pooling.md for which one to use.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from ..errors import BatchError, ConfigError
+from ..registry import Registry
+
+POOLINGS: Registry = Registry("pooling strategy", "pooling")
+ALIASES = {"cls": "first"}
+
+
+def parse_pooling(spec: str, head: str | None = None) -> list[str]:
+    """Split "mean+max" into canonical strategy names, validating each."""
+    where = f"HeadConfig(name={head!r}): " if head else ""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(
+            f"{where}pooling={spec!r} is invalid; allowed: {', '.join(POOLINGS.names())}"
+        )
+    names = []
+    for part in spec.split("+"):
+        key = ALIASES.get(part.strip().lower(), part.strip().lower())
+        if key not in POOLINGS:
+            raise ConfigError(
+                f"{where}pooling={spec!r}: {part.strip()!r} is not a known pooling strategy; "
+                f"allowed: {', '.join(POOLINGS.names() + sorted(ALIASES))}, joined with '+'"
+            )
+        names.append(key)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}pooling={spec!r} repeats a strategy")
+    return names
+
+
+def _keep(mask: torch.Tensor) -> torch.Tensor:
+    return mask.bool().unsqueeze(-1)  # (batch, seq, 1)
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """Average half-precision states in float32 (a sum of 64 fp16 states may overflow, and so
+    may a mean_sqrt_len result): averaging strategies return float32 for half inputs."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _masked_weighted_mean(
+    hidden: torch.Tensor, weights: torch.Tensor, norm: torch.Tensor
+) -> torch.Tensor:
+    """sum_t weights[b, t] * hidden[b, t] / norm[b] over positions with weight != 0, in float32
+    or wider. (batch, hidden)
+
+    No intermediate overflows while the result is finite: each (row, dim) is scaled by a power
+    of two at least its largest |value| before summing and scaled back after dividing. Powers of
+    two commute with rounding, so the result is bit-identical to the plain sum when that one
+    does not overflow. On the CPU, where a value can be read for free, the plain sum is taken
+    when a bound shows it cannot overflow.
+    """
+    acc = _accumulator(hidden.dtype)
+    w = weights.to(acc).unsqueeze(-1)  # (batch, seq, 1)
+    h = torch.where(w != 0, hidden.to(acc), torch.zeros((), dtype=acc, device=hidden.device))
+    top = h.abs().amax(1)  # (batch, hidden)
+    if h.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Reading is free on the CPU: when no partial sum can overflow, the plain sum is the
+        # same result (bit for bit) at a quarter of the cost.
+        bound = top.amax() * w.abs().sum(1).amax()
+        if bool(bound < torch.finfo(acc).max / 2):
+            return (h * w).sum(1) / norm.to(acc)
+    exp = torch.frexp(top).exponent  # top < 2**exp
+    exp = torch.where(torch.isfinite(top), exp, 0).clamp(min=0)  # only ever scale down
+    total = (torch.ldexp(h, -exp.unsqueeze(1)) * w).sum(1) / norm.to(acc)
+    half = exp // 2  # two steps: 2**exp alone may not be representable (2**128 in float32)
+    return torch.ldexp(torch.ldexp(total, exp - half), half)
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last non-padding position per row, for either padding side. (batch,)"""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return (positions * mask.long()).argmax(-1)
+
+
+def first_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the first non-padding position per row (0 for an all-padding row). (batch,)"""
+    return mask.long().argmax(-1)
+
+
+def _gather(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), index]
+
+
+class PoolingStrategy(nn.Module):
+    """One way to pool. ``forward(hidden, mask, pooler)`` → (batch, out_size).
+
+    Register a new one with ``@POOLINGS.register("name")`` on a subclass; it is built as
+    ``cls(hidden_size)`` and gets a boolean-castable mask of shape (batch, seq).
+    """
+
+    needs_pooler = False
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    @property
+    def out_size(self) -> int:
+        return self.hidden_size
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}"
+
+
+@POOLINGS.register("last")
+class LastToken(PoolingStrategy):
+    """The last non-padding token: under causal attention the only one that saw everything."""
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        return _gather(hidden, last_token_index(mask))
+
+
+@POOLINGS.register("first")
+class FirstToken(PoolingStrategy):
+    """The first non-padding token ([CLS] for BERT-style encoders)."""
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        return _gather(hidden, first_token_index(mask))
+
+
+@POOLINGS.register("pooler")
+class BackbonePooler(PoolingStrategy):
+    """The backbone's own pooler (BERT: dense + tanh over [CLS]) applied to the hooked layer."""
+
+    needs_pooler = True
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        if pooler is None:
+            raise ConfigError(
+                "pooling='pooler' needs a backbone with a pooler module (BERT-style); "
+                "this one has none: use 'first', 'mean', ..."
+            )
+        first = _gather(hidden, first_token_index(mask)).unsqueeze(1)  # (batch, 1, hidden)
+        param = next(pooler.parameters(), None)
+        out = pooler(first if param is None else first.to(param.dtype))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _real_count(mask: torch.Tensor) -> torch.Tensor:
+    """Real tokens per row (batch, 1), at least 1 (an all-padding row pools to 0)."""
+    return mask.bool().sum(1, keepdim=True).clamp(min=1)
+
+
+@POOLINGS.register("mean")
+class MeanPooling(PoolingStrategy):
+    """Mean over non-padding tokens (sentence-transformers' default); float32 for half inputs."""
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        return _masked_weighted_mean(hidden, mask.bool(), _real_count(mask))
+
+
+@POOLINGS.register("mean_sqrt_len")
+class MeanSqrtLenPooling(PoolingStrategy):
+    """Sum over non-padding tokens divided by sqrt(length) (sentence-transformers' name);
+    float32 for half inputs (the result may exceed the half range: 4,096 tokens of 2,000)."""
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        count = _real_count(mask).to(_accumulator(hidden.dtype))
+        return _masked_weighted_mean(hidden, mask.bool(), count.sqrt())
+
+
+@POOLINGS.register("max")
+class MaxPooling(PoolingStrategy):
+    """Element-wise max over non-padding tokens; padding never wins (0 for an empty row).
+
+    A dimension whose real tokens are all -inf gives -inf, whether or not the row has padding.
+    """
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        keep = _keep(mask)
+        # -inf, not finfo.min: a dimension whose real tokens are all -inf is -inf, padded or not
+        lowest = torch.full((), -math.inf, dtype=hidden.dtype, device=hidden.device)
+        out = torch.where(keep, hidden, lowest).max(1).values
+        return torch.where(keep.any(1), out, torch.zeros_like(out))
+
+
+@POOLINGS.register("weighted_mean")
+class WeightedMeanPooling(PoolingStrategy):
+    """Position-weighted mean, weights 1..n over the real tokens (SGPT, for decoders).
+
+    Weights count real tokens only, so left and right padding give the same result (as
+    sentence-transformers' "weightedmean" does since it starts at the first real token).
+    float32 for half inputs.
+    """
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        m = mask.long()
+        weights = m.cumsum(-1) * m  # (batch, seq): 1..n on real tokens, 0 on padding
+        norm = weights.sum(1, keepdim=True).clamp(min=1)
+        return _masked_weighted_mean(hidden, weights, norm)
+
+
+@POOLINGS.register("attention")
+class AttentionPooling(PoolingStrategy):
+    """Learned attention pooling: softmax(w·h + b) over non-padding tokens, weighted sum.
+
+    ``w`` and ``b`` are head parameters: trained with the head, saved with its checkpoint.
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__(hidden_size)
+        self.score = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.score.weight, std=1.0 / math.sqrt(hidden_size))
+        nn.init.zeros_(self.score.bias)
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        keep = mask.bool()
+        h = hidden.to(self.score.weight.dtype)
+        h = torch.where(keep.unsqueeze(-1), h, torch.zeros((), dtype=h.dtype, device=h.device))
+        scores = self.score(h).squeeze(-1)  # (batch, seq)
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1) * keep.to(scores.dtype)  # 0 for empty rows
+        return (h * weights.unsqueeze(-1)).sum(1)
+
+
+class SequencePooling(nn.Module):
+    """Concatenation of one or more strategies; ``out_size`` is the sum of their widths.
+
+    ``pooler_size`` is the output width of the backbone's pooler ("pooler" strategy) and
+    ``pooler`` the module itself: it is bound here, where it is used, without becoming a
+    submodule (it belongs to the backbone: it is neither saved with the head nor moved by it).
+    Only strategies that need it receive it.
+    """
+
+    def __init__(
+        self,
+        strategies: list[str],
+        hidden_size: int,
+        pooler_size: int | None = None,
+        pooler: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.names = list(strategies)
+        self.strategies = nn.ModuleDict({n: POOLINGS.get(n)(hidden_size) for n in self.names})
+        self.hidden_size = hidden_size
+        self.pooler_size = pooler_size
+        self._bound = (pooler,)  # a tuple: nn.Module does not register it as a submodule
+
+    @property
+    def pooler(self) -> nn.Module | None:
+        """The backbone's pooler bound at construction (None when there is none)."""
+        return self._bound[0]
+
+    @property
+    def widths(self) -> dict[str, int]:
+        """Width of each strategy's slice of the output, in order of concatenation."""
+        return {
+            n: (self.pooler_size or self.hidden_size) if s.needs_pooler else s.out_size
+            for n, s in self.strategies.items()
+        }
+
+    @property
+    def out_size(self) -> int:
+        return sum(self.widths.values())
+
+    @property
+    def needs_pooler(self) -> bool:
+        return any(s.needs_pooler for s in self.strategies.values())
+
+    @property
+    def has_parameters(self) -> bool:
+        """Whether any strategy learns (then its output cannot be shared between heads)."""
+        return any(True for _ in self.strategies.parameters())
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, pooler: nn.Module | None = None
+    ) -> torch.Tensor:
+        """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count.
+
+        ``pooler`` overrides the bound one (for pooling outside a HeadedModel)."""
+        if hidden.dim() != 3:
+            raise BatchError(
+                f"pooling needs hidden states of shape (batch, seq, hidden), got "
+                f"{tuple(hidden.shape)}"
+            )
+        if mask is None:
+            mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        elif tuple(mask.shape) != tuple(hidden.shape[:2]):
+            raise BatchError(
+                f"attention_mask of shape {tuple(mask.shape)} does not match the hidden states "
+                f"{tuple(hidden.shape[:2])} (batch, seq)"
+            )
+        mask = mask.to(hidden.device)
+        pooler = pooler if pooler is not None else self.pooler
+        parts = [
+            s(hidden, mask, pooler) if s.needs_pooler else s(hidden, mask)
+            for s in self.strategies.values()
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
+        return torch.cat([p.to(dtype) for p in parts], dim=-1)
+
+    def split(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Cut a concatenated (batch, out_size) output back into one tensor per strategy."""
+        return dict(zip(self.names, pooled.split(list(self.widths.values()), dim=-1)))
+
+    def extra_repr(self) -> str:
+        return f"strategies={'+'.join(self.names)}, out_size={self.out_size}"

@@ -1,0 +1,124 @@
+"""Multi-task loss weighting: how per-head losses combine into one training loss.
+
+``fixed``: loss_weight × loss. ``adaptive``: each loss normalised by its running mean and
+std once ``warmup`` steps have been seen (as transformer-heads does; zero during warm-up).
+``uncertainty``: learned homoscedastic uncertainty (Kendall et al. 2018):
+exp(-s) × loss + s with one learned log-variance s per head, times loss_weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+
+class LossWeighting(nn.Module):
+    """Maps {head: loss} to {head: adapted loss}; the total is the sum of adapted losses."""
+
+    name = "fixed"
+
+    def __init__(self, weights: dict[str, float]) -> None:
+        super().__init__()
+        self.weights = dict(weights)
+
+    def forward(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v * self.weights[k] for k, v in losses.items()}
+
+    def config(self) -> dict:
+        return {"name": self.name}
+
+
+class AdaptiveWeighting(LossWeighting):
+    """Normalise each head's loss by its running mean/std after a warm-up: over every loss
+    seen (Welford, sample std) or, with ``momentum``, exponentially weighted."""
+
+    name = "adaptive"
+
+    def __init__(self, weights: dict[str, float], warmup: int = 5, momentum: float | None = None):
+        super().__init__(weights)
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ConfigError(f"adaptive weighting: warmup={warmup!r} is invalid; an integer >= 1")
+        if momentum is not None and (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, (int, float))
+            or not 0 < momentum <= 1
+        ):
+            raise ConfigError(
+                f"adaptive weighting: momentum={momentum!r} is invalid; a number in (0, 1] or None"
+            )
+        self.warmup = warmup
+        self.momentum = None if momentum is None else float(momentum)
+        n = len(weights)
+        self.names = list(weights)
+        self.register_buffer("count", torch.zeros(n, dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(n, dtype=torch.float64))
+        self.register_buffer("m2", torch.zeros(n, dtype=torch.float64))
+
+    def forward(self, losses):
+        out = {}
+        for k, v in losses.items():
+            i = self.names.index(k)
+            if self.count[i] < self.warmup:
+                out[k] = v * 0.0
+            else:
+                var = (
+                    self.m2[i]
+                    if self.momentum is not None
+                    else self.m2[i] / (self.count[i] - 1).clamp(min=1)
+                )
+                std = var.sqrt().clamp(min=1e-6)
+                out[k] = self.weights[k] * (v - self.mean[i].to(v.dtype)) / std.to(v.dtype)
+            if self.training and torch.isfinite(v).all():
+                x = v.detach().double()
+                self.count[i] += 1
+                delta = x - self.mean[i]
+                if self.momentum is None:  # Welford: m2 is the sum of squared deviations
+                    self.mean[i] += delta / self.count[i]
+                    self.m2[i] += delta * (x - self.mean[i])
+                elif self.count[i] == 1:
+                    self.mean[i] = x
+                else:  # exponentially weighted mean and variance (m2 holds the variance)
+                    self.mean[i] += self.momentum * delta
+                    self.m2[i] = (1 - self.momentum) * (self.m2[i] + self.momentum * delta * delta)
+        return out
+
+    def config(self) -> dict:
+        cfg = {"name": self.name, "warmup": self.warmup}
+        if self.momentum is not None:
+            cfg["momentum"] = self.momentum
+        return cfg
+
+
+class UncertaintyWeighting(LossWeighting):
+    """exp(-s_k) × L_k + s_k per head, with learned log-variances s_k (one per head)."""
+
+    name = "uncertainty"
+
+    def __init__(self, weights: dict[str, float]) -> None:
+        super().__init__(weights)
+        self.log_vars = nn.ParameterDict({k: nn.Parameter(torch.zeros(())) for k in weights})
+
+    def forward(self, losses):
+        out = {}
+        for k, v in losses.items():
+            s = self.log_vars[k].to(v.dtype)
+            out[k] = self.weights[k] * (torch.exp(-s) * v + s)
+        return out
+
+
+WEIGHTINGS = {
+    "fixed": LossWeighting,
+    "adaptive": AdaptiveWeighting,
+    "uncertainty": UncertaintyWeighting,
+}
+
+
+def build_weighting(name: str, weights: dict[str, float], **kwargs) -> LossWeighting:
+    """Build a weighting scheme by name ("fixed", "adaptive", "uncertainty")."""
+    if name not in WEIGHTINGS:
+        raise ConfigError(
+            f"loss_weighting={name!r} is unknown; allowed: {', '.join(sorted(WEIGHTINGS))}"
+        )
+    return WEIGHTINGS[name](weights, **kwargs)

@@ -1,0 +1,457 @@
+"""Generation that also returns every head's output, in one pass with the KV cache.
+
+``HeadedModel.generate`` drives transformers' own ``GenerationMixin.generate`` (its logits
+processors, stopping criteria, ``GenerationConfig``, streamers, ``num_return_sequences``) through
+a thin driver: a ``PreTrainedModel`` of the backbone's family whose ``forward`` runs the backbone
+once per step with the KV cache, captures the hooked layers of that same forward, computes the
+next-token logits with the model's causal-LM head and every other head on those states, and
+records the heads' outputs. No second forward runs for the heads, and no copy of the decoding
+loop is kept here. See ``docs/generation.md`` for the conventions.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils import ModelOutput
+
+from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
+from ..errors import BatchError, ConfigError
+
+if TYPE_CHECKING:
+    from .headed import HeadedModel
+
+#: Decoding modes whose rows stay in place from step to step (beams reorder them).
+_ROW_STABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+#: generate() keywords that would hand a cache in or out of headkit's control.
+_CACHE_KWARGS = ("cache", "past_key_values")
+
+
+@dataclass
+class HeadedGenerateOutput(ModelOutput):
+    """What ``HeadedModel.generate`` returns (``R`` rows = batch × ``num_return_sequences``,
+    ``P`` prompt positions, ``N`` generated tokens).
+
+    - ``sequences`` (R, P + N): prompt and generated tokens, as the backbone's ``generate``
+      returns them (after a row's eos, generate appends the pad token).
+    - ``token_logprobs`` (R, N): log-probability of each generated token under the model's
+      own next-token distribution (log-softmax of the causal-LM head's logits, before logits
+      processors such as temperature or top-k), i.e. what a plain forward over ``sequences``
+      gives at position t - 1 for the token at t.
+    - ``head_outputs``: for every other head that is not ignored, token heads (R, N,
+      num_outputs), value at generated token t computed on the hidden state at the position
+      of token t itself; sequence heads (R, num_outputs), on each finished sequence (prompt
+      and generated tokens up to and including the row's first eos).
+    - ``generated_mask`` (R, N): 1 for generated tokens up to and including the row's first
+      eos, 0 for the padding generate appends after it.
+    - ``attention_mask`` (R, P + N): the prompt's mask followed by ``generated_mask``; a plain
+      forward over ``sequences`` with this mask gives the same head outputs at every real
+      position.
+    - ``scores`` / ``logits``: per-step processed scores / raw logits, as transformers returns
+      them, only when ``output_scores=True`` / ``output_logits=True`` is passed.
+    """
+
+    sequences: torch.LongTensor | None = None
+    token_logprobs: torch.Tensor | None = None
+    head_outputs: dict[str, torch.Tensor] | None = None
+    generated_mask: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+
+
+class HeadedGenerationMixin:
+    """Gives ``HeadedModel`` its ``generate`` method (a model with a causal-LM head)."""
+
+    @torch.no_grad()
+    def generate(
+        self: HeadedModel,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        *,
+        ignore_heads: Iterable[str] = (),
+        lm_head_name: str | None = None,
+        **kwargs: Any,
+    ) -> HeadedGenerateOutput:
+        """Generate with transformers' ``generate`` and return every head's output as well.
+
+        Tokens come from the causal-LM head (the one named ``lm_head``, else the only
+        ``is_causal_lm`` head, else ``lm_head_name``); greedy decoding gives exactly the tokens
+        of the backbone's own ``*ForCausalLM.generate`` and sampling with a seed the same
+        samples. ``generation_config`` and ``**kwargs`` are those of ``generate``
+        (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``, ``eos_token_id``, ``num_return_sequences``, ``streamer``,
+        ``logits_processor``, ``stopping_criteria``, ...); greedy search and sampling are
+        supported, beam search and assisted decoding are not (beams reorder rows).
+
+        Convention: the output of a token head for generated token t is computed on the hidden
+        state at the position of token t itself, i.e. the value a plain forward over the final
+        ``sequences`` gives at that position; sequence heads pool each finished sequence (prompt
+        and generated tokens up to and including the first eos). Every step runs the backbone
+        once with the KV cache and all heads read the hooked states of that same forward; as
+        ``generate`` never feeds its last token back, one extra cached step over that token
+        alone (only as deep as the deepest head) gives its head outputs. Heads named in
+        ``ignore_heads`` are not computed. Prompts must be left-padded (no ``attention_mask``:
+        every token counts, pad ids included); the model runs in eval mode while generating.
+        See ``HeadedGenerateOutput`` and ``docs/generation.md``.
+        """
+        ignore = {ignore_heads} if isinstance(ignore_heads, str) else set(ignore_heads)
+        plan = _plan(self, ignore, lm_head_name)
+        _check_prompt(self, input_ids, attention_mask, kwargs)
+        if attention_mask is None:  # headkit's rule: no mask, every token counts
+            attention_mask = torch.ones_like(input_ids)
+        if generation_config is not None:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.return_dict_in_generate = True  # the cache and scores come back
+        else:
+            kwargs["return_dict_in_generate"] = True
+        effective = _effective_config(self, generation_config, kwargs)
+        driver = _driver_class(type(self.backbone))(self, plan)
+        was_training = self.training
+        self.eval()  # dropout would add noise and draw from the sampling RNG
+        try:
+            out = driver.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                generation_config=generation_config,
+                **kwargs,
+            )
+            return _finish(driver, out, input_ids, attention_mask, effective)
+        finally:
+            self.train(was_training)
+
+
+# ---------------------------------------------------------------------- planning and checks
+@dataclass
+class _Plan:
+    """Which head chooses tokens, and which heads are computed at every step."""
+
+    lm: str
+    lm_layer: int
+    token_heads: dict[str, int]
+    sequence_heads: dict[str, int]
+
+    @property
+    def head_layers(self) -> set[int]:
+        return set(self.token_heads.values()) | set(self.sequence_heads.values())
+
+
+def _plan(model: HeadedModel, ignore: set[str], lm_name: str | None) -> _Plan:
+    if not model.info.is_decoder:
+        raise ConfigError(
+            f"generate needs a decoder-only backbone; {type(model.backbone).__name__} is "
+            "bidirectional (every position sees the whole input)"
+        )
+    heads = sorted(model.head_configs)
+    unknown = sorted(ignore - set(heads))
+    if unknown:
+        raise ConfigError(f"ignore_heads={unknown} names no head of the model; heads: {heads}")
+    lm = _lm_head(model, lm_name)
+    if lm in ignore:
+        raise ConfigError(
+            f"ignore_heads names {lm!r}, the causal-LM head generate chooses tokens with"
+        )
+    cfg = model.head_configs[lm]
+    vocab = model.info.vocab_size
+    if vocab is not None and cfg.num_outputs != vocab:
+        raise ConfigError(
+            f"HeadConfig(name={lm!r}): num_outputs={cfg.num_outputs} is not the vocabulary size "
+            f"({vocab}); generate needs a causal-LM head over the whole vocabulary"
+        )
+    active = [n for n in model.head_configs if n != lm and n not in ignore]
+    hooks = model.hooked_layers()
+    return _Plan(
+        lm=lm,
+        lm_layer=hooks[lm],
+        token_heads={n: hooks[n] for n in active if not model.head_configs[n].pred_for_sequence},
+        sequence_heads={n: hooks[n] for n in active if model.head_configs[n].pred_for_sequence},
+    )
+
+
+def _lm_head(model: HeadedModel, name: str | None) -> str:
+    causal = [n for n, c in model.head_configs.items() if c.is_causal_lm]
+    if name is not None:
+        if name not in causal:
+            raise ConfigError(
+                f"lm_head_name={name!r} is not a causal-LM head of the model; causal-LM heads: "
+                f"{causal or 'none'}"
+            )
+        return name
+    if not causal:
+        raise ConfigError(
+            "generate needs a causal-LM head to choose tokens with, but the model has none "
+            f"(heads: {sorted(model.head_configs)}); add HeadConfig('lm_head', "
+            "is_causal_lm=True) and build the model from a *ForCausalLM so that it starts from "
+            "the backbone's LM head"
+        )
+    if "lm_head" in causal or len(causal) == 1:
+        return "lm_head" if "lm_head" in causal else causal[0]
+    raise ConfigError(
+        f"the model has several causal-LM heads {causal}; pass lm_head_name= to choose one"
+    )
+
+
+def _check_prompt(
+    model: HeadedModel, input_ids: Any, attention_mask: Any, kwargs: dict[str, Any]
+) -> None:
+    """The prompt: valid ids, left padding only, and no cache or embeddings handed in."""
+    if "inputs_embeds" in kwargs:
+        raise BatchError("generate takes input_ids; inputs_embeds is not supported here")
+    given = [k for k in _CACHE_KWARGS if kwargs.get(k) is not None]
+    if given:
+        raise ConfigError(
+            f"generate with heads builds its own KV cache; {given[0]}= is not supported (head "
+            "outputs need every position's states)"
+        )
+    if input_ids is None:
+        raise BatchError("generate needs input_ids (the prompts)")
+    check_inputs(model.backbone, input_ids, None, attention_mask, None, None)
+    if attention_mask is None:
+        return
+    mask = attention_mask.long()
+    empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise BatchError(f"attention_mask rows {empty} are all padding; each prompt needs a token")
+    # left padding: once a row's tokens start, no padding follows (mask never drops 1 → 0)
+    bad = (mask[:, 1:] < mask[:, :-1]).any(-1).nonzero().flatten().tolist()
+    if bad:
+        raise BatchError(
+            f"attention_mask rows {bad} have padding after their tokens (right padding); "
+            "generation continues after the last position, so prompts must be left-padded: "
+            "tokenizer.padding_side = 'left'"
+        )
+
+
+def _effective_config(
+    model: HeadedModel, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+) -> GenerationConfig:
+    """The settings generate will use (the given config or kwargs over the model's), to check
+    the decoding mode and know eos and the number of rows; generate gets the originals."""
+    cfg = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    cfg.update(**default_generation_config(model).to_dict(), defaults_only=True)
+    cfg.update(**kwargs)
+    mode = cfg.get_generation_mode(kwargs.get("assistant_model"))
+    if mode not in _ROW_STABLE_MODES:
+        raise ConfigError(
+            f"generate with heads supports greedy search and sampling (num_beams=1, no "
+            f"assistant); got {mode.value}: beams and assistants reorder or rewind rows, so "
+            "per-step head outputs would not follow them"
+        )
+    if cfg.use_cache is False:
+        raise ConfigError("generate with heads needs the KV cache; use_cache=False is invalid")
+    return cfg
+
+
+def default_generation_config(model: HeadedModel) -> GenerationConfig:
+    """The model's generation defaults: those of the ``*ForCausalLM`` it was built from, else
+    derived from the backbone's config."""
+    own = getattr(model, "generation_config", None)
+    if isinstance(own, GenerationConfig):
+        return own
+    return GenerationConfig.from_model_config(model.backbone.config)
+
+
+# ---------------------------------------------------------------------- the driver
+class _HeadedDriver:
+    """The ``forward`` that ``GenerationMixin.generate`` calls: one backbone pass per step,
+    next-token logits from the causal-LM head, and the other heads on the same states."""
+
+    def __init__(self, headed: HeadedModel, plan: _Plan) -> None:
+        super().__init__(headed.backbone.config)
+        self.backbone = headed.backbone  # registered, so device and dtype are the backbone's
+        self.__dict__["_headed"] = headed  # not a submodule: no second copy of its parameters
+        self.plan = plan
+        self.generation_config = copy.deepcopy(default_generation_config(headed))
+        self.recorder = _Recorder()
+        self.final_step = False
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Any = None,  # the cache's name before transformers 5.2x
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        headed, plan = self._headed, self.plan
+        cache = cache if cache is not None else past_key_values
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        flags = {k: kwargs.get(k) for k in ("output_attentions", "output_hidden_states")}
+        inputs = prepare_inputs(
+            headed.backbone,
+            headed.info,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=use_cache,
+            check=False,
+            **flags,
+        )
+        layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
+        # Stop after the deepest needed block: a step needs the cache object it was given
+        # (filled in place), and the final step needs no cache at all.
+        early = cache is not None and not any(flags.values())
+        captured, out = run_stage(headed.backbone, headed.info, inputs, layers, early)
+        logits = None
+        if not self.final_step:
+            hidden = slice_logits_to_keep(captured[plan.lm_layer], logits_to_keep)
+            lm = headed.heads[plan.lm]
+            logits = lm.from_features(lm.features(hidden))  # (batch, kept, vocab)
+        self.recorder.record(past, input_ids, position_ids, captured, logits, headed, plan)
+        return CausalLMOutputWithPast(
+            logits=logits,
+            cache=cache_of(out) if out is not None else cache,
+            hidden_states=getattr(out, "hidden_states", None),
+            attentions=getattr(out, "attentions", None),
+        )
+
+
+@functools.cache
+def _driver_class(backbone_cls: type) -> type:
+    """A generating model class of the backbone's family (``GPT2PreTrainedModel``, ...), so that
+    ``generate`` sees that family's flags (attention kernels, cache support) and class name."""
+    family = [
+        c
+        for c in backbone_cls.__mro__
+        if isinstance(c, type) and issubclass(c, PreTrainedModel) and c is not PreTrainedModel
+    ]
+    root = family[-1] if family else PreTrainedModel
+    name = f"Headed{backbone_cls.__name__}ForGeneration"
+    return type(name, (_HeadedDriver, root, GenerationMixin), {"__module__": __name__})
+
+
+# ---------------------------------------------------------------------- recording
+class _Recorder:
+    """Per-forward results keyed by the absolute position of the forward's first new token,
+    so a chunked prefill or a step that generate later undoes is stitched back in order."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last logits, logsumexp
+        self.logprobs: dict[int, torch.Tensor] = {}  # position → (batch,)
+        self.token_outputs: dict[str, dict[int, torch.Tensor]] = {}
+        self.states: dict[int, dict[int, torch.Tensor]] = {}  # layer → position → states
+        self.last_position_ids: torch.Tensor | None = None
+
+    def record(
+        self,
+        past: int,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        captured: dict[int, torch.Tensor],
+        logits: torch.Tensor | None,
+        headed: HeadedModel,
+        plan: _Plan,
+    ) -> None:
+        if self.pending is not None and input_ids is not None:
+            self.logprobs[past] = self.logprob_of(input_ids[:, :1])
+        self.pending = None
+        if logits is not None:  # log p(token) = logit - logsumexp, read once the token is known
+            last = logits[:, -1].float()  # (batch, vocab)
+            self.pending = (last, torch.logsumexp(last, -1))
+        if position_ids is not None:
+            self.last_position_ids = position_ids[..., -1:]
+        for name, layer in plan.token_heads.items():
+            out = headed.heads[name](captured[layer])  # (batch, new, num_outputs)
+            self.token_outputs.setdefault(name, {})[past] = out
+        for layer in set(plan.sequence_heads.values()):
+            self.states.setdefault(layer, {})[past] = captured[layer]
+
+    def logprob_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, 1) tokens → (batch,) their log-probabilities under the pending logits."""
+        logits, lse = self.pending
+        return logits.gather(-1, tokens).squeeze(-1) - lse
+
+
+def _stitch(pieces: dict[int, torch.Tensor], start: int, stop: int) -> torch.Tensor:
+    """Positions ``start..stop-1`` of per-forward pieces (batch, n, ...) keyed by first position;
+    a later piece overwrites an earlier one at the same positions."""
+    first = next(iter(pieces.values()))
+    out = first.new_zeros((first.shape[0], stop - start, *first.shape[2:]))
+    covered = torch.zeros(stop - start, dtype=torch.bool)  # bookkeeping on the CPU
+    for pos in sorted(pieces):
+        piece = pieces[pos]
+        lo, hi = max(pos, start), min(pos + piece.shape[1], stop)
+        if lo < hi:
+            out[:, lo - start : hi - start] = piece[:, lo - pos : hi - pos]
+            covered[lo - start : hi - start] = True
+    if not bool(covered.all()):
+        missing = (~covered).nonzero().flatten()[:5].add(start).tolist()
+        raise RuntimeError(f"generate recorded no states at positions {missing} (headkit bug)")
+    return out
+
+
+def _until_eos(generated: torch.Tensor, eos: Any) -> torch.Tensor:
+    """(rows, N) → 1 up to and including each row's first eos token, 0 after it."""
+    if eos is None:
+        return torch.ones_like(generated)
+    ids = torch.as_tensor(eos, device=generated.device).flatten()  # an id, ids or a tensor
+    is_eos = torch.isin(generated, ids).long()
+    ended_before = is_eos.cumsum(-1) - is_eos  # eos tokens strictly before each position
+    return (ended_before == 0).long()
+
+
+def _finish(
+    driver: _HeadedDriver,
+    out: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+) -> HeadedGenerateOutput:
+    """Run the extra step over the last token, then stitch the recorded outputs together."""
+    sequences = out.sequences  # (rows, P + N)
+    rows, total = sequences.shape
+    P = input_ids.shape[1]
+    N = total - P
+    # rows = batch × num_return_sequences, each prompt's rows together (repeat_interleave)
+    prompt_mask = attention_mask.long().repeat_interleave(rows // input_ids.shape[0], 0)
+    prompt_mask = prompt_mask.to(sequences.device)
+    generated_mask = _until_eos(sequences[:, P:], config.eos_token_id)
+    full_mask = torch.cat([prompt_mask, generated_mask], -1)
+    dev = driver.device  # generate may keep the sequences where the prompts were
+    last = sequences[:, -1:].to(dev)
+    rec, plan = driver.recorder, driver.plan
+    if N > 0 and (plan.token_heads or plan.sequence_heads):
+        last_pos = rec.last_position_ids
+        driver.final_step = True
+        driver(
+            input_ids=last,
+            attention_mask=torch.cat([prompt_mask, torch.ones_like(generated_mask)], -1).to(dev),
+            position_ids=None if last_pos is None else last_pos + 1,
+            cache=out.cache,
+            use_cache=True,
+        )
+    elif N > 0:  # no head needs the last token's states: only its log-probability
+        rec.logprobs[total - 1] = rec.logprob_of(last)
+    headed = driver._headed
+    head_outputs = {n: _stitch(rec.token_outputs[n], P, total) for n in plan.token_heads}
+    for name, layer in plan.sequence_heads.items():
+        states = _stitch(rec.states[layer], 0, total)  # (rows, P + N, hidden)
+        head_outputs[name] = headed.heads[name](states, full_mask.to(dev), headed.info.pooler)
+    logprobs = torch.stack([rec.logprobs[p] for p in range(P, total)], -1) if N else None
+    return HeadedGenerateOutput(
+        sequences=sequences,
+        token_logprobs=logprobs,
+        head_outputs=head_outputs,
+        generated_mask=generated_mask,
+        attention_mask=full_mask,
+        scores=getattr(out, "scores", None),
+        logits=getattr(out, "logits", None),
+    )

@@ -1,0 +1,465 @@
+"""HeadedModel: a Hugging Face backbone, left untouched, plus named heads on any of its layers.
+
+``forward`` reads top to bottom: route labels → backbone stage (``inputs.prepare_inputs`` and
+``run_stage``: checks, positions, only as deep as needed) → head inputs (each pooling computed
+once per layer and shared) → heads → objective (``losses.head_loss``) → weighting → output.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from ..backbone.adapters import (
+    adopt_adapters,
+    freeze_base,
+    keep_heads_in_adapter,
+    merge_adapters,
+    unwrap_peft_model,
+)
+from ..backbone.inputs import (
+    MODEL_INPUTS,
+    cache_of,
+    drop_tokenizer_extras,
+    prepare_inputs,
+    run_stage,
+)
+from ..backbone.inspection import BackboneInfo, base_model_of, inspect_backbone, prepare_tracing
+from ..backbone.sources import BackboneSource, transformers_model_of
+from ..backbone.tying import init_lm_head, tied_head_weights
+from ..checkpoint import restore, save_checkpoint
+from ..config import HeadConfig
+from ..errors import BatchError, CheckpointError, ConfigError
+from ..heads.base import Head, HeadDict, build_head, get_submodule_by_name
+from ..losses.objective import head_loss
+from ..losses.weighting import LossWeighting, build_weighting
+from .conveniences import PreTrainedConveniences, hide_head_dicts_from_trainer
+from .generation import HeadedGenerationMixin
+from .guards import NonFiniteGuard, ValueChecks
+from .labels import ForwardWithTargets, route_labels, unused_targets
+from .parallel import freeze_unreached, inside_strict_ddp, join_idle
+
+#: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
+DEFAULT_MAX_HEAD_PARAMETERS = 2**31
+
+
+@dataclass
+class HeadedModelOutput(ModelOutput):
+    """What ``HeadedModel.forward`` returns.
+
+    ``preds_by_head[name]`` is (batch, num_outputs) for sequence heads and
+    (batch, seq, num_outputs) otherwise. ``loss`` is the sum of ``adapted_loss_by_head``
+    (loss_weight × loss with the default weighting); heads without labels are absent from
+    the loss dicts. ``cache`` (alias ``past_key_values``) is set when ``use_cache=True``.
+    ``logits`` is what Trainer hands to ``compute_metrics``: the predictions of the one head
+    with a loss, or ``preds_by_head`` when there are several (or none).
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | dict[str, torch.Tensor] | None = None
+    loss_by_head: dict[str, torch.Tensor] | None = None
+    adapted_loss_by_head: dict[str, torch.Tensor] | None = None
+    preds_by_head: dict[str, torch.Tensor] | None = None
+    cache: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def past_key_values(self) -> Any:  # the name transformer-heads users know
+        return self.cache
+
+
+class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
+    """A transformer backbone with named heads.
+
+    ``model`` may be a bare transformer (``BertModel``), a task model (``GPT2LMHeadModel``,
+    ``BertForSequenceClassification``) or a ``SentenceTransformer`` (its Transformer module's
+    model): its bare transformer becomes ``self.backbone``, and a
+    head named ``lm_head`` with ``is_causal_lm=True`` starts from the task model's output
+    embeddings, so its predictions equal the original LM logits (a frozen one of a frozen backbone
+    that ties it to its input embeddings shares that matrix). The backbone is not
+    modified (only frozen, and then put in eval mode, if asked; the per-head output dicts
+    are added to its config's ``keys_to_ignore_at_inference`` for Trainer; with heads below
+    the last layer, transformers' own output-capturing hooks are installed as its first
+    ``output_hidden_states`` call would, for torch.compile), so peft and generation
+    utilities can wrap it.
+
+    LoRA: ``model`` may be a ``PeftModel`` or a model with peft adapters injected (see
+    ``headkit.lora``); the adapted bare transformer becomes the backbone, and
+    ``freeze_base_model=True`` freezes everything *except* the adapters, which stay
+    trainable. Checkpoints then hold the adapter, not the backbone.
+
+    Only the hooked layers' states are kept, and blocks after the deepest hooked layer do
+    not run unless something needs them (``use_cache``, ``output_hidden_states``, ...).
+    ``layers_path`` names the block stack when inspection cannot find it; ``source`` records
+    where the backbone was loaded from (set by the loaders) so that a frozen, unchanged
+    backbone is referenced by checkpoints instead of copied. ``check_inputs=False`` skips
+    the per-batch input checks (for ``torch.compile`` and hot loops). With a trainable
+    backbone and early exit, the blocks after the deepest hooked layer never run and are
+    frozen (see ``parallel.freeze_unreached``).
+
+    A label for a target that only loss-free heads (``loss_fct=None``) read is a BatchError
+    (it would be ignored) unless ``allow_unused_labels=True``. A head of more than
+    ``max_head_parameters`` parameters is refused before it is allocated.
+    """
+
+    # HF Trainer passes ``num_items_in_batch`` to models whose forward has ``**kwargs`` and then
+    # skips its gradient-accumulation scaling; head losses are per-batch means, so opt out.
+    accepts_loss_kwargs = False
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        head_configs: Sequence[HeadConfig | dict] | HeadConfig | dict,
+        *,
+        freeze_base_model: bool = True,
+        loss_weighting: str | dict | LossWeighting = "fixed",
+        nonfinite_loss: str = "raise",
+        early_exit: bool = True,
+        check_inputs: bool = True,
+        layers_path: str | None = None,
+        source: BackboneSource | None = None,
+        allow_unused_labels: bool = False,
+        max_head_parameters: int = DEFAULT_MAX_HEAD_PARAMETERS,
+    ) -> None:
+        super().__init__()
+        model = transformers_model_of(model)  # a SentenceTransformer: its transformer
+        model = unwrap_peft_model(model)  # a PeftModel: its adapted model (adapters injected)
+        if not isinstance(model, PreTrainedModel):
+            raise ConfigError(
+                f"model must be a transformers PreTrainedModel, got {type(model).__name__}"
+            )
+        if nonfinite_loss not in ("raise", "skip"):
+            raise ConfigError(f"nonfinite_loss={nonfinite_loss!r} is invalid; 'raise' or 'skip'")
+        self.backbone: PreTrainedModel = base_model_of(model)
+        adopt_adapters(model, self.backbone)  # adapters only inside the backbone
+        self.info: BackboneInfo = inspect_backbone(self.backbone, layers_path)
+        self.layers_path = layers_path
+        self.source = source
+        self.early_exit = early_exit
+        self.check_inputs = check_inputs
+        self._value_checks = ValueChecks()  # on accelerators: once per batch signature
+        self._guard = NonFiniteGuard()  # the non-finite loss guard (sync-free on CUDA)
+        self.nonfinite_loss = nonfinite_loss
+        self.allow_unused_labels = bool(allow_unused_labels)
+        self.max_head_parameters = _check_budget(max_head_parameters)
+        self.head_configs: dict[str, HeadConfig] = {}
+        self._hooks: dict[str, int] = {}
+        if isinstance(head_configs, (HeadConfig, Mapping)):  # one head: a list of one
+            head_configs = [head_configs]
+        for cfg in head_configs:
+            cfg = HeadConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
+            if not isinstance(cfg, HeadConfig):
+                raise ConfigError(f"head_configs must hold HeadConfig objects, got {cfg!r}")
+            cfg = self._resolve(cfg)
+            self.head_configs[cfg.name] = cfg
+            self._hooks[cfg.name] = self.info.resolve_hook(cfg.layer_hook, cfg.name)
+        self._check_targets()
+        device = _device_of(self.backbone)
+        pooler, pooler_size = self.info.pooler, self.info.pooler_size
+        budget = self.max_head_parameters
+        self.heads = HeadDict(
+            {
+                n: build_head(c, pooler_size, pooler, budget).to(device)
+                for n, c in self.head_configs.items()
+            }
+        )
+        #: ``generate``'s defaults: those of the task model (None: from the backbone's config)
+        self.generation_config = getattr(model, "generation_config", None)
+        if model is not self.backbone:
+            frozen = freeze_base_model or not any(p.requires_grad for p in model.parameters())
+            init_lm_head(self.heads, self.head_configs, self.backbone, model, frozen)
+        if freeze_base_model:
+            freeze_base(self.backbone)  # LoRA adapters, if any, stay trainable
+            self.backbone.eval()  # no dropout noise in features nothing learns from
+        else:
+            freeze_unreached(self)
+        hide_head_dicts_from_trainer(self.backbone.config)
+        prepare_tracing(self.backbone, self.info, set(self._hooks.values()))  # torch.compile
+        self.set_loss_weighting(loss_weighting)
+        # ``model.forward`` advertises the heads' targets (see labels.ForwardWithTargets).
+        self.forward = ForwardWithTargets(type(self).forward, self)
+
+    # ------------------------------------------------------------------ construction
+    def _resolve(self, cfg: HeadConfig) -> HeadConfig:
+        """Fill the fields that depend on the backbone and check them against it."""
+        if cfg.name in self.head_configs:
+            raise ConfigError(f"two heads are named {cfg.name!r}; head names must be unique")
+        info = self.info
+        changes: dict[str, Any] = {}
+        if cfg.in_size is None:
+            changes["in_size"] = info.hidden_size
+        elif cfg.in_size != info.hidden_size:
+            raise ConfigError(
+                f"HeadConfig(name={cfg.name!r}): in_size={cfg.in_size} does not match the width "
+                f"of the hooked layer {cfg.layer_hook} ({info.hidden_size}, the backbone's "
+                "hidden size)"
+            )
+        if cfg.num_outputs is None:
+            if cfg.is_causal_lm and info.vocab_size is None:
+                raise ConfigError(f"HeadConfig(name={cfg.name!r}): num_outputs=None needs a vocab")
+            changes["num_outputs"] = info.vocab_size if cfg.is_causal_lm else 1
+        if cfg.pred_for_sequence and cfg.pooling is None:
+            changes["pooling"] = "last" if info.is_decoder else "first"
+        if cfg.is_causal_lm and not info.is_decoder:
+            warnings.warn(
+                f"head {cfg.name!r} is a causal-LM head on a bidirectional backbone "
+                f"({type(self.backbone).__name__}): every position sees its next token",
+                stacklevel=3,
+            )
+        cfg = cfg.replace(**changes) if changes else cfg
+        if "pooler" in cfg.pooling_strategies and info.pooler is None:
+            raise ConfigError(
+                f"HeadConfig(name={cfg.name!r}): pooling={cfg.pooling!r} needs the backbone's "
+                f"pooler, but {type(self.backbone).__name__} has none; use 'first', 'mean', ..."
+            )
+        return cfg
+
+    def _check_targets(self) -> None:
+        # "self": forward's first parameter cannot also be a keyword label
+        reserved = {"self", *MODEL_INPUTS} | (self.info.forward_params - {"kwargs", "args"})
+        for cfg in self.head_configs.values():
+            if cfg.target in reserved:
+                raise ConfigError(
+                    f"HeadConfig(name={cfg.name!r}): target={cfg.target!r} collides with a model "
+                    f"input name; choose another (reserved: {', '.join(sorted(reserved))})"
+                )
+
+    def train(self, mode: bool = True) -> HeadedModel:
+        """Set train/eval mode; a fully frozen backbone stays in eval mode.
+
+        Its dropout would only add noise to features nothing learns from, make losses
+        depend on how batches are split, and break the equivalence with cached features.
+        A backbone with trainable parameters (fine-tuning, LoRA) follows ``mode``.
+        """
+        super().train(mode)
+        if mode and not any(p.requires_grad for p in self.backbone.parameters()):
+            self.backbone.eval()
+        return self
+
+    def set_loss_weighting(self, scheme: str | dict | LossWeighting, **kwargs: Any) -> None:
+        """Choose how head losses combine: "fixed", "adaptive", "uncertainty" (a name, or a
+        dict ``{"name": ..., **options}``) or a ``LossWeighting`` module."""
+        weights = {n: c.loss_weight for n, c in self.head_configs.items()}
+        if isinstance(scheme, LossWeighting):
+            self.loss_weighting = scheme
+        else:
+            if isinstance(scheme, Mapping):
+                kwargs = {**{k: v for k, v in scheme.items() if k != "name"}, **kwargs}
+                scheme = scheme.get("name", "fixed")
+            self.loss_weighting = build_weighting(scheme, weights, **kwargs)
+        self.loss_weighting.to(_device_of(self.backbone))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self):
+        """The backbone's config (lets HF utilities that read ``model.config`` work)."""
+        return self.backbone.config
+
+    @property
+    def device(self) -> torch.device:
+        return _device_of(self.backbone)
+
+    @property
+    def peft_config(self) -> dict:
+        """Set by peft when it wraps this model (``get_peft_model(headed_model, config)``);
+        setting it keeps every head and the loss weighting trainable and in the saved adapter."""
+        try:
+            return self.__dict__["peft_config"]
+        except KeyError:
+            raise AttributeError("peft_config") from None
+
+    @peft_config.setter
+    def peft_config(self, configs: dict) -> None:
+        keep_heads_in_adapter(self, configs)
+        self.__dict__["peft_config"] = configs
+
+    @peft_config.deleter
+    def peft_config(self) -> None:
+        self.__dict__.pop("peft_config", None)
+
+    def merge_and_unload(self) -> HeadedModel:
+        """Merge the backbone's LoRA adapters into its weights and remove them, in place: a
+        plain HeadedModel with the same predictions (its checkpoints then copy the backbone)."""
+        merge_adapters(self)
+        return self
+
+    def hooked_layers(self) -> dict[str, int]:
+        """Each head's resolved index into hidden_states (0..num_layers)."""
+        return dict(self._hooks)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **labels: Any,
+    ) -> HeadedModelOutput:
+        """Run the backbone (only as deep as needed), every head, and the losses.
+
+        ``labels`` are passed by each head's ``target``; a head without its label gets no
+        loss. Padding comes from ``attention_mask`` (no mask: every token counts); with a
+        KV cache the mask may cover ``past + new`` positions, as in generation.
+        ``labels={target: tensor, ...}`` (a mapping) is accepted too: it is what HF Trainer
+        recognises as the batch's labels (it looks for a key named "labels").
+        """
+        self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
+        labels = self._route_labels(labels)
+        given = {"input_ids": input_ids, "attention_mask": attention_mask, **labels}
+        signature = self._value_checks.due(given) if self.check_inputs else None  # guards.py
+        check = signature is not None
+        inputs = prepare_inputs(
+            self.backbone,
+            self.info,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            check=check,
+        )
+        full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
+        wanted = set(self._hooks.values())
+        captured, out = run_stage(self.backbone, self.info, inputs, wanted, not full)
+        features = self.head_inputs(captured, inputs.mask)
+        preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
+        losses = self.head_losses(preds, labels, inputs.mask, check)
+        self._value_checks.passed(signature)
+        loss, adapted = self.combine_losses(losses)
+        if self.training and torch.is_grad_enabled() and inside_strict_ddp():
+            loss = join_idle(self, loss, preds, set(adapted))
+        trained = [n for n, c in self.head_configs.items() if c.loss_fct is not None]
+        return HeadedModelOutput(
+            loss=loss,
+            logits=preds[trained[0]] if len(trained) == 1 else preds,
+            loss_by_head=losses,
+            adapted_loss_by_head=adapted,
+            preds_by_head=preds,
+            cache=cache_of(out) if use_cache and out is not None else None,
+            hidden_states=getattr(out, "hidden_states", None) if out is not None else None,
+            attentions=getattr(out, "attentions", None) if out is not None else None,
+        )
+
+    def _route_labels(self, labels: dict[str, Any]) -> dict[str, Any]:
+        """Flatten ``labels={target: ...}``, give a ``labels`` tensor to the one head with a
+        loss, and refuse keys that are no head's target (``labels.route_labels``)."""
+        targets = {c.target for c in self.head_configs.values()}
+        labels = route_labels(self.head_configs, drop_tokenizer_extras(labels, targets))
+        given = [k for k, v in labels.items() if v is not None]
+        unused = unused_targets(self.head_configs.values(), given)
+        if unused and not self.allow_unused_labels:
+            raise BatchError(
+                f"label(s) for target(s) {sorted(unused)} would be ignored: only head(s) "
+                f"{sorted(n for ns in unused.values() for n in ns)} read them, and they have "
+                "loss_fct=None; remove them from the batch, give the head a loss, or build "
+                "the model with allow_unused_labels=True"
+            )
+        return labels
+
+    def head_inputs(
+        self, captured: dict[int, torch.Tensor], mask: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Each head's input from the hooked states; a parameter-free pooling is computed once
+        per (layer, pooling) and shared by the heads that ask for it."""
+        shared: dict[tuple, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, head in self.heads.items():
+            layer = self._hooks[name]
+            key = head.pooling_key if isinstance(head, Head) else None
+            if key is None:
+                out[name] = head.features(captured[layer], mask)
+                continue
+            key = (layer, *key)
+            if key not in shared:
+                shared[key] = head.features(captured[layer], mask)
+            out[name] = shared[key]
+        return out
+
+    def head_losses(
+        self,
+        preds: dict[str, torch.Tensor],
+        labels: Mapping[str, Any],
+        mask: torch.Tensor | None,
+        check: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Each head's loss, for the heads that have a loss and a label in ``labels``
+        (``check``: validate the labels' values on the host)."""
+        losses: dict[str, torch.Tensor] = {}
+        for name, cfg in self.head_configs.items():
+            y = labels.get(cfg.target)
+            if y is not None and cfg.loss_fct is not None:
+                losses[name] = head_loss(cfg, preds[name], y, mask, check)
+        return losses
+
+    def combine_losses(
+        self, losses: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Apply the loss weighting and non-finite guard; return (total, adapted by head)."""
+        return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
+        """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
+        backbone carries one, and, unless frozen and unchanged since loading, the backbone."""
+        save_checkpoint(self, save_directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:
+        """Load a checkpoint written by ``save_pretrained`` (safetensors and JSON only)."""
+        if not isinstance(checkpoint_dir, (str, PathLike)):
+            raise CheckpointError(
+                f"checkpoint_dir={checkpoint_dir!r:.100} is a {type(checkpoint_dir).__name__}; "
+                "expected a folder path (str or os.PathLike)"
+            )
+        return restore(checkpoint_dir, model_cls=cls, **kwargs)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """``nn.Module.get_submodule``, also for heads named like module attributes
+        (``"heads.type"``)."""
+        return get_submodule_by_name(self, target)
+
+    def head_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters and buffers headkit adds (heads and loss weighting); a head weight
+        tied to the backbone's input embeddings is the backbone's, not listed here."""
+        tied = set(tied_head_weights(self.backbone, self.heads))
+        sd = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        sd = {k: v for k, v in sd.items() if k not in tied}
+        sd.update({f"loss_weighting.{k}": v for k, v in self.loss_weighting.state_dict().items()})
+        return sd
+
+
+def _check_budget(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(
+            f"max_head_parameters={value!r} is invalid; a positive integer, or None for no limit"
+        )
+    return int(value)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,242 @@
+"""Which head reads which label: the one rule for ``labels`` batch keys.
+
+A batch passes labels by each head's ``target`` (``sentiment=tensor``), as a dict under
+``labels`` (``labels={"sentiment": tensor}``: what ``HeadedCollator`` makes, and the key HF
+Trainer treats as the batch's labels), or, for a model with exactly one head that has a
+loss, as a plain tensor under ``labels`` (what ``DataCollatorWithPadding`` makes of a
+``label`` column, and what ``model(..., labels=tensor)`` means in transformers).
+``HeadedModel.forward``, feature caching and ``HeadedTrainer`` all route labels here.
+
+A label whose target only heads with ``loss_fct=None`` read would be silently ignored by
+``HeadedModel.forward``; it is refused there (``BatchError``) unless the model was built with
+``allow_unused_labels=True``. Evaluation (metrics of loss-free heads) keeps such labels for
+itself and calls the model without them (``without_unused_labels``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from ..backbone.inputs import BATCH_INPUTS, MODEL_INPUTS
+from ..errors import BatchError
+
+if TYPE_CHECKING:
+    from ..config import HeadConfig
+
+logger = logging.getLogger("headkit")
+
+#: Columns transformers' collators rename to ``labels`` (DataCollatorWithPadding, ...).
+RENAMED_TO_LABELS = ("label", "label_ids")
+
+
+def loss_heads(head_configs: Mapping[str, Any]) -> list[str]:
+    """Names of the heads that have a loss (``loss_fct`` is not None)."""
+    return [n for n, c in head_configs.items() if c.loss_fct is not None]
+
+
+def single_loss_target(head_configs: Mapping[str, Any]) -> str | None:
+    """The target of the one head with a loss, or None when there are several or none."""
+    heads = loss_heads(head_configs)
+    return head_configs[heads[0]].target if len(heads) == 1 else None
+
+
+def route_labels(head_configs: Mapping[str, Any], labels: dict[str, Any]) -> dict[str, Any]:
+    """``{target: label}`` from a batch's label keys; a BatchError for keys no head reads."""
+    targets = {c.target for c in head_configs.values()}
+    labels = dict(labels)
+    given = labels.get("labels")
+    if isinstance(given, Mapping):
+        del labels["labels"]
+        twice = sorted(set(given) & set(labels))
+        if twice:
+            raise BatchError(
+                f"target(s) {twice} given twice, in labels={{...}} and as keyword "
+                "argument(s); pass each label once"
+            )
+        labels = {**given, **labels}
+    elif given is not None and "labels" not in targets:
+        del labels["labels"]
+        target = _target_of_plain_labels(head_configs)
+        if target in labels and labels[target] is not None:
+            raise BatchError(
+                f"target {target!r} given twice, as labels=<tensor> and as {target}=...; "
+                "pass each label once"
+            )
+        labels[target] = given
+    unknown = [k for k in labels if k not in targets]
+    if unknown:
+        raise BatchError(
+            f"unexpected batch key(s) {unknown}: not a model input and no head has that "
+            f"target; targets: {sorted(targets)}; inputs: {list(MODEL_INPUTS)}"
+        )
+    return labels
+
+
+def _target_of_plain_labels(head_configs: Mapping[str, Any]) -> str:
+    target = single_loss_target(head_configs)
+    if target is not None:
+        return target
+    heads = loss_heads(head_configs)
+    described = ", ".join(f"{n!r} (target {head_configs[n].target!r})" for n in heads)
+    has = f"{len(heads)} heads with a loss: {described}" if heads else "no head with a loss"
+    renamed = [c.target for c in head_configs.values() if c.target in RENAMED_TO_LABELS]
+    why = (
+        f" (it renamed your {renamed[0]!r} column, a head's target, to 'labels')" if renamed else ""
+    )
+    raise BatchError(
+        f"batch key 'labels' holds a tensor, but this model has {has}, so it cannot tell "
+        "whose labels they are. transformers' DataCollatorWithPadding (Trainer's default "
+        "collator when processing_class is a tokenizer) renames a 'label' or 'label_ids' "
+        f"column to 'labels'{why}. Either give the head that learns from that column "
+        "target='labels' (HeadConfig(..., target='labels')), or keep each head's labels "
+        "under its target and collate with HeadedCollator(model, tokenizer) "
+        "(Trainer(..., data_collator=HeadedCollator(model, tokenizer)) or HeadedTrainer)"
+    )
+
+
+# ---------------------------------------------------------------------- loss-free heads
+def unused_targets(configs: Iterable[HeadConfig], given: Iterable[str]) -> dict[str, list[str]]:
+    """The targets in ``given`` that no head with a loss reads → the loss-free heads reading
+    each (targets no head reads at all are not listed: they are another error)."""
+    configs = list(configs)
+    learning = {c.target for c in configs if c.loss_fct is not None}
+    out: dict[str, list[str]] = {}
+    for target in given:
+        readers = [c.name for c in configs if c.target == target]
+        if readers and target not in learning:
+            out[target] = readers
+    return out
+
+
+def without_unused_labels(batch: Mapping[str, Any], configs: Iterable[HeadConfig]) -> dict:
+    """``batch`` without the labels only loss-free heads read, at the top level and under
+    ``batch["labels"]`` (a ``{target: tensor}`` mapping)."""
+    configs = list(configs)
+    out = dict(batch)
+    nested = out.get("labels")
+    if isinstance(nested, Mapping):
+        drop = unused_targets(configs, nested)
+        out["labels"] = {k: v for k, v in nested.items() if k not in drop}
+        if not out["labels"]:
+            del out["labels"]
+    for target in unused_targets(configs, [k for k in out if k != "labels"]):
+        del out[target]
+    return out
+
+
+# ---------------------------------------------------------------------- dataset columns
+def model_columns(head_configs: Mapping[str, Any]) -> set[str]:
+    """Columns a HeadedModel reads: batch inputs, head targets and the label columns
+    Trainer keeps (``labels``, ``label``, ``label_ids``)."""
+    return {*BATCH_INPUTS, *(c.target for c in head_configs.values()), "labels", *RENAMED_TO_LABELS}
+
+
+def keep_model_columns(data: Any, head_configs: Mapping[str, Any], where: str) -> Any:
+    """``data`` without the columns the model does not read (as Trainer's
+    ``remove_unused_columns``), saying once which were dropped.
+
+    A ``datasets.Dataset`` loses them with ``remove_columns``; a list or dataset of dicts is
+    wrapped so that each example loses them; a DataLoader is returned as it is (its batches
+    are what the caller asked for).
+    """
+    keep = model_columns(head_configs)
+    if isinstance(data, DataLoader):
+        return data
+    columns = getattr(data, "column_names", None)
+    if isinstance(columns, list) and hasattr(data, "remove_columns"):  # datasets.Dataset
+        unused = [c for c in columns if c not in keep]
+        if unused:
+            _say_dropped(where, unused)
+            data = data.remove_columns(unused)
+        return data
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return _KeptColumns(data, keep, where)
+    return _KeptColumnsIterable(data, keep, where)
+
+
+def _say_dropped(where: str, columns: list[str]) -> None:
+    logger.warning(
+        "%s: ignoring column(s) %s, neither a model input nor a head target (as Trainer's "
+        "remove_unused_columns does)",
+        where,
+        columns,
+    )
+
+
+class _ColumnFilter:
+    def __init__(self, keep: set[str], where: str) -> None:
+        self.keep, self.where, self.told = keep, where, False
+
+    def __call__(self, example: Any) -> Any:
+        if not isinstance(example, Mapping):
+            return example
+        unused = [k for k in example if k not in self.keep]
+        if not unused:
+            return example
+        if not self.told:
+            self.told = True
+            _say_dropped(self.where, unused)
+        return {k: v for k, v in example.items() if k in self.keep}
+
+
+class _KeptColumns(Dataset):
+    """A map-style view of ``data`` whose dict examples keep only the model's columns."""
+
+    def __init__(self, data: Any, keep: set[str], where: str) -> None:
+        self.data, self.filter = data, _ColumnFilter(keep, where)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.filter(self.data[i])
+
+
+class _KeptColumnsIterable(IterableDataset):
+    """An iterable view of ``data`` whose dict examples keep only the model's columns."""
+
+    def __init__(self, data: Any, keep: set[str], where: str) -> None:
+        self.data, self.filter = data, _ColumnFilter(keep, where)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.filter(x) for x in self.data)
+
+
+# ---------------------------------------------------------------------- forward signature
+class ForwardWithTargets(functools.partial):
+    """``HeadedModel.forward`` bound to one model, whose signature also lists the head targets.
+
+    Targets travel through ``**labels``; HF Trainer keeps only the dataset columns named in
+    ``inspect.signature(model.forward)`` (``remove_unused_columns``), so they are listed as
+    keyword-only parameters, read from the model's current heads at every inspection.
+    """
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        model = self.args[0]
+        sig = inspect.signature(self.func)
+        params = list(sig.parameters.values())[1:]  # drop self
+        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        taken = {p.name for p in params} | {p.name for p in var_kw}
+        targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
+        params += [_keyword(t) for t in targets if t not in taken]
+        return sig.replace(parameters=params + var_kw)
+
+
+def _keyword(name: str) -> inspect.Parameter:
+    """A keyword-only parameter named ``name``, even when it is no Python identifier
+    ("my-head", "class"): such a target is still passed as ``**{name: ...}``, and HF
+    Trainer only reads the parameter names."""
+    try:
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+    except ValueError:
+        param = inspect.Parameter("_", inspect.Parameter.KEYWORD_ONLY, default=None)
+        object.__setattr__(param, "_name", name)  # Parameter validates names, Signature not
+        return param

@@ -1,0 +1,227 @@
+"""What a layer sweep probes: layer and pooling specs, rows and labels, splits, control labels.
+
+A row is one text (sequence tasks) or one labelled word (token tasks: the word's first
+sub-token). Splits are drawn per example, so all words of a sentence fall on one side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..data.encoding import encode_texts, encode_words, split_words
+from ..errors import ConfigError
+from ..heads.pooling import ALIASES, POOLINGS
+
+TASKS = ("classification", "regression", "token")
+
+
+def parse_layers(spec: str | int | Sequence[int], num_layers: int) -> list[int]:
+    """Hidden-states indices (0 = embeddings, i = output of block i) from a layer spec.
+
+    ``"all"``, ``"0,3,6"``, python-style slices ``"-4:"`` / ``"1:5"`` / ``"::2"``, a mix of
+    those joined by commas, an int or a list of ints. Negative indices count from the end
+    (-1 = the last layer, ``num_layers``). Returns sorted, distinct, non-negative indices.
+    """
+    total = num_layers + 1
+    allowed = (
+        f"allowed: 'all', indices {-total}..{num_layers} (0 = embeddings, -1 = last), "
+        "comma-separated ('0,3,6') or slices ('-4:', '1:5')"
+    )
+    if isinstance(spec, bool):
+        raise ConfigError(f"layers={spec!r} is invalid; {allowed}")
+    if isinstance(spec, int):
+        items: list[Any] = [spec]
+    elif isinstance(spec, str):
+        if spec.strip().lower() == "all":
+            return list(range(total))
+        items = [s.strip() for s in spec.split(",")]
+    elif isinstance(spec, Sequence) and all(isinstance(i, int) for i in spec):
+        items = list(spec)
+    else:
+        raise ConfigError(f"layers={spec!r} is invalid; {allowed}")
+    chosen: set[int] = set()
+    for item in items:
+        if isinstance(item, str) and ":" in item:
+            try:
+                parts = [int(p) if p.strip() else None for p in item.split(":")]
+                if len(parts) > 3:
+                    raise ValueError
+                chosen.update(range(total)[slice(*parts)])
+            except ValueError:
+                raise ConfigError(f"layers={spec!r}: {item!r} is not a slice; {allowed}") from None
+            continue
+        try:
+            index = int(item)
+        except ValueError:
+            raise ConfigError(f"layers={spec!r}: {item!r} is not an index; {allowed}") from None
+        if not -total <= index < total:
+            raise ConfigError(f"layers={spec!r}: {index} is out of range; {allowed}")
+        chosen.add(index % total)
+    if not chosen:
+        raise ConfigError(f"layers={spec!r} selects no layer; {allowed}")
+    return sorted(chosen)
+
+
+def parse_poolings(spec: str | Sequence[str]) -> list[str]:
+    """Pooling names for a sweep: ``"mean"``, ``"mean,last"`` or a list; ``+`` concatenates.
+
+    Only poolings without trainable parameters can be probed on cached vectors.
+    """
+    fixed = [n for n in POOLINGS.names() if not _has_parameters(n)]
+    allowed = (
+        f"allowed: {', '.join(fixed + sorted(ALIASES))}; ',' separates poolings to compare, "
+        "'+' concatenates"
+    )
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+    out = []
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"pooling={spec!r} is invalid; {allowed}")
+        parts = [ALIASES.get(p.strip().lower(), p.strip().lower()) for p in name.split("+")]
+        for p in parts:
+            if p not in POOLINGS:
+                raise ConfigError(f"pooling={spec!r}: {p!r} is not a pooling; {allowed}")
+            if _has_parameters(p):
+                raise ConfigError(
+                    f"pooling={spec!r}: {p!r} has trainable parameters, and a sweep probes "
+                    f"fixed vectors; {allowed}"
+                )
+        canonical = "+".join(parts)
+        if canonical not in out:
+            out.append(canonical)
+    if not out:
+        raise ConfigError(f"pooling={spec!r} names no pooling; {allowed}")
+    return out
+
+
+def _has_parameters(pooling: str) -> bool:
+    return any(True for _ in POOLINGS.get(pooling)(8).parameters())
+
+
+@dataclass
+class ProbeRows:
+    """What the probes train on: one row per text (or per labelled word, for token tasks)."""
+
+    examples: list[dict]  # tokenized examples, in input order
+    example: torch.Tensor  # (R,) example index of each row
+    position: torch.Tensor | None  # (R,) token position of each row (token task)
+    y: torch.Tensor  # (R,) class index or value
+    keys: list[str]  # per row: the input text or word type (control task)
+    classes: list[Any] | None
+
+
+def prepare_rows(tokenizer, texts, labels, task, max_length) -> ProbeRows:
+    if task != "token":
+        examples = encode_texts(tokenizer, texts, max_length)
+        y, classes = _label_tensor(list(labels), task == "regression", "labels")
+        n = len(examples)
+        return ProbeRows(examples, torch.arange(n), None, y, list(texts), classes)
+    words = [split_words(t, f"texts[{i}]") for i, t in enumerate(texts)]
+    per_word = [
+        split_words(v, f"labels[{i}]") if isinstance(v, str) else list(v)
+        for i, v in enumerate(labels)
+    ]
+    for i, (w, lab) in enumerate(zip(words, per_word)):
+        if len(w) != len(lab):
+            raise ConfigError(
+                f"example {i} has {len(w)} words but {len(lab)} labels; one label per word"
+            )
+    examples, word_index = encode_words(tokenizer, words, max_length)
+    example, position, flat, keys = [], [], [], []
+    for i, wi in enumerate(word_index):
+        for pos, w in enumerate(wi):
+            if w >= 0:
+                example.append(i)
+                position.append(pos)
+                flat.append(per_word[i][w])
+                keys.append(words[i][w])
+    if not flat:
+        raise ConfigError("no word kept a token after truncation; nothing to probe")
+    y, classes = _label_tensor(flat, False, "labels")
+    return ProbeRows(examples, torch.tensor(example), torch.tensor(position), y, keys, classes)
+
+
+def _label_tensor(values: list, regression: bool, what: str) -> tuple[torch.Tensor, list | None]:
+    if regression:
+        try:
+            y = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        except (TypeError, ValueError):
+            bad = next(v for v in values if not _is_number(v))
+            raise ConfigError(f"{what}: {bad!r} is not a number (task='regression')") from None
+        if not bool(torch.isfinite(y).all()):
+            raise ConfigError(f"{what}: regression labels must be finite numbers")
+        return y.float(), None
+    values = [_as_class(v) for v in values]
+    try:
+        classes = sorted(set(values))
+    except TypeError:
+        classes = sorted(set(values), key=repr)
+    if len(classes) < 2:
+        raise ConfigError(f"{what} hold a single class ({classes!r}); a probe needs at least 2")
+    index = {c: i for i, c in enumerate(classes)}
+    return torch.tensor([index[v] for v in values]), classes
+
+
+def _as_class(v: Any) -> Any:
+    """Class labels as hashable Python values ("1" stays a string; 1.0 becomes 1)."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, list):
+        raise ConfigError(f"label {v!r} is a list; task='classification' needs one class per text")
+    return v
+
+
+def _is_number(v: Any) -> bool:
+    try:
+        float(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def split_rows(
+    rows: ProbeRows, test_fraction, val_fraction, seeds, seed
+) -> dict[str, torch.Tensor]:
+    """Row masks: "test", "train" (R,), and "fit" (S, R_train) per seed; split by example."""
+    n = len(rows.examples)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_test = max(1, round(n * test_fraction))
+    is_test = torch.zeros(n, dtype=torch.bool)
+    is_test[perm[:n_test]] = True
+    train_examples = torch.nonzero(~is_test)[:, 0]
+    n_val = max(1, round(len(train_examples) * val_fraction))
+    if len(train_examples) - n_val < 2:
+        raise ConfigError(
+            f"{n} examples leave {len(train_examples) - n_val} to train on after the held-out "
+            f"({n_test}) and validation ({n_val}) splits; give more examples"
+        )
+    fit_examples = torch.ones(seeds, n, dtype=torch.bool)
+    for s in range(seeds):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (s + 1))
+        fit_examples[
+            s, train_examples[torch.randperm(len(train_examples), generator=g)[:n_val]]
+        ] = False
+    test = is_test[rows.example]
+    train = ~test
+    fit = fit_examples[:, rows.example][:, train]
+    if not bool(test.any()) or not bool(fit.any(1).all()) or not bool((~fit).any(1).all()):
+        raise ConfigError(
+            "the held-out, fit or validation split has no labelled rows; give more examples"
+        )
+    return {"test": test, "train": train, "fit": fit}
+
+
+def control_labels(rows: ProbeRows, train: torch.Tensor, seed: int) -> torch.Tensor:
+    """Each distinct text / word type gets a label drawn from the training rows' labels."""
+    g = torch.Generator().manual_seed(seed + 104729)
+    pool = rows.y[train]
+    distinct = {k: None for k in rows.keys}
+    draws = pool[torch.randint(len(pool), (len(distinct),), generator=g)]
+    table = dict(zip(distinct, draws.tolist()))
+    return torch.tensor([table[k] for k in rows.keys], dtype=rows.y.dtype)

@@ -1,0 +1,315 @@
+"""Layer sweeps: where in a network is a property encoded?
+
+``probe_layers`` runs the frozen backbone once per batch, only as deep as the deepest chosen
+layer (``cache_features`` with one feature head per layer and pooling), then trains one
+linear probe per (layer, pooling) on the cached features — all of them together, batched
+(``headkit.probe_fit``) — and scores each on a held-out split:
+
+- held-out split: ``test_fraction`` of the examples, drawn with ``seed`` (fixed across seeds);
+- seeds: each seed holds back a different ``val_fraction`` of the training examples to choose
+  the L2 penalty on, and trains on the rest; ``std`` is the spread over seeds, ``ci95`` a
+  bootstrap interval over held-out rows of the seed-averaged score;
+- features are standardised per layer with the training split's statistics;
+- control task (Hewitt & Liang, 2019): each distinct input text (sequence tasks) or word type
+  (token tasks) gets a fixed random label drawn from the training labels; probes are trained
+  on it the same way and ``selectivity = score - control score``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..backbone.sources import describe, load_model, load_tokenizer, tokenizer_source
+from ..config import HeadConfig
+from ..errors import ConfigError
+from ..features import cache_features
+from ..model.headed import HeadedModel
+from .data import (
+    TASKS,
+    ProbeRows,
+    control_labels,
+    parse_layers,
+    parse_poolings,
+    prepare_rows,
+    split_rows,
+)
+from .fit import DEFAULT_L2, bootstrap_interval, fit_and_score, standardise
+from .results import ProbeResults, ProbeRow
+
+#: Bytes of features and probe activations handled at once (problems are chunked to fit).
+_CHUNK_BYTES = 512 * 2**20
+
+
+def probe_layers(
+    model: str | os.PathLike | PreTrainedModel | HeadedModel,
+    texts: Sequence[Any],
+    labels: Sequence[Any],
+    *,
+    layers: str | int | Sequence[int] = "all",
+    pooling: str | Sequence[str] | None = None,
+    task: str = "classification",
+    tokenizer: Any = None,
+    control: bool = False,
+    seeds: int = 1,
+    seed: int = 0,
+    test_fraction: float = 0.2,
+    val_fraction: float = 0.2,
+    l2: Sequence[float] = DEFAULT_L2,
+    max_length: int = 128,
+    batch_size: int = 32,
+    max_iter: int = 200,
+    tol: float = 3e-4,
+    bootstrap: int = 1000,
+    model_kwargs: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> ProbeResults:
+    """Train a linear probe on every chosen layer (and pooling) and score it held out.
+
+    ``model``: a path or hub id (``AutoModel``; ``model_kwargs`` go to ``from_pretrained``,
+    e.g. ``{"gguf_file": ...}``), ``packaged:minilm``/``packaged:smollm2``, a
+    ``PreTrainedModel`` or a ``HeadedModel`` (its backbone is used). ``tokenizer`` defaults to
+    the one stored with the model. ``task``: "classification" (``labels`` one class per
+    text), "regression" (one number per text) or "token" (``texts`` are lists of words or
+    whitespace-separated strings, ``labels`` one class per word; a word's label goes to its
+    first sub-token). ``layers`` index ``hidden_states`` as ``output_hidden_states=True``
+    does (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several
+    to compare (see ``parse_poolings``). See the module docstring for splits, seeds and the
+    control task. The backbone is left as it was (requires_grad and train/eval mode).
+    """
+    _check_args(task, seeds, test_fraction, val_fraction, l2, bootstrap, len(texts), len(labels))
+    if task == "token" and pooling is not None:
+        raise ConfigError(f"pooling={pooling!r} does not apply to task='token'; leave it unset")
+    poolings = [] if task == "token" else parse_poolings(pooling or "mean")
+    settings = {"seed": seed, "test_fraction": test_fraction, "val_fraction": val_fraction}
+    settings.update(max_length=max_length, bootstrap=bootstrap, n_examples=len(texts))
+    lap = _Laps()
+    backbone, tokenizer = _backbone_and_tokenizer(model, tokenizer, model_kwargs)
+    num_layers = _num_layers(backbone)
+    chosen = parse_layers(layers, num_layers)
+    lap("load")
+    rows = prepare_rows(tokenizer, texts, labels, task, max_length)
+    lap("tokenize")
+    features = _features(backbone, rows, chosen, poolings, batch_size, progress)
+    lap("features")
+    split = split_rows(rows, test_fraction, val_fraction, seeds, seed)
+    variants = [rows.y] + ([control_labels(rows, split["train"], seed)] if control else [])
+    y = torch.stack(variants)  # (V, R): the task's labels, then the control task's
+    num_classes = len(rows.classes) if rows.classes is not None else None
+    penalties = torch.tensor([float(v) for v in l2])
+    fit = (split, penalties, num_classes, max_iter, tol, bootstrap, seed, progress)
+    scores = _train_probes(features, y, *fit)
+    lap("probes")
+    baseline = _baseline(y[0], split, rows.classes is None)
+    return ProbeResults(
+        task=task,
+        metric="r2" if task == "regression" else "accuracy",
+        model=describe(model),
+        num_layers=num_layers,
+        rows=_result_rows(scores, chosen, poolings or ["token"], baseline, seeds, control),
+        baseline=baseline,
+        n_train=int(split["train"].sum()),
+        n_test=int(split["test"].sum()),
+        seeds=seeds,
+        control=control,
+        l2_grid=penalties.tolist(),
+        classes=rows.classes,
+        test_index=sorted(set(rows.example[split["test"]].tolist())),
+        settings=settings,
+        timings=lap.times,
+    )
+
+
+class _Laps:
+    """Wall time of consecutive steps: ``lap("name")`` records the time since the last lap."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name] = now - self.last
+        self.last = now
+
+
+def _check_args(task, seeds, test_fraction, val_fraction, l2, bootstrap, n_texts, n_labels):
+    if task not in TASKS:
+        raise ConfigError(f"task={task!r} is invalid; allowed: {', '.join(TASKS)}")
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
+        raise ConfigError(f"seeds={seeds!r} is invalid; an integer >= 1")
+    for name, v in (("test_fraction", test_fraction), ("val_fraction", val_fraction)):
+        if not isinstance(v, (int, float)) or not 0 < v < 1:
+            raise ConfigError(f"{name}={v!r} is invalid; a fraction strictly between 0 and 1")
+    if not l2 or any(not isinstance(v, (int, float)) or v <= 0 for v in l2):
+        raise ConfigError(f"l2={l2!r} is invalid; one or more penalties > 0")
+    if not isinstance(bootstrap, int) or bootstrap < 10:
+        raise ConfigError(f"bootstrap={bootstrap!r} is invalid; an integer >= 10 (resamples)")
+    if n_texts != n_labels:
+        raise ConfigError(f"got {n_texts} texts but {n_labels} labels; one label per text")
+
+
+def _backbone_and_tokenizer(model: Any, tokenizer: Any, model_kwargs: Any) -> tuple[Any, Any]:
+    if isinstance(model, HeadedModel):
+        model = model.backbone
+    if isinstance(model, (str, os.PathLike)):
+        backbone = load_model(model, model_kwargs)
+        return backbone, tokenizer or load_tokenizer(model, model_kwargs)
+    if not isinstance(model, PreTrainedModel):
+        raise ConfigError(
+            f"model={type(model).__name__} is invalid; a path, hub id, 'packaged:minilm', a "
+            "PreTrainedModel or a HeadedModel"
+        )
+    if tokenizer is None:
+        source = tokenizer_source(model)
+        if source is None:
+            raise ConfigError(
+                f"tokenizer=None, and {type(model).__name__} was not loaded from a local folder "
+                "to read one from; pass tokenizer="
+            )
+        tokenizer = load_tokenizer(source)
+    return model, tokenizer
+
+
+@contextmanager
+def _left_as_it_was(backbone: PreTrainedModel) -> Iterator[None]:
+    """Restore every parameter's requires_grad and every module's train/eval mode on exit
+    (HeadedModel freezes the backbone and puts it in eval mode)."""
+    flags = [p.requires_grad for p in backbone.parameters()]
+    modes = [m.training for m in backbone.modules()]
+    try:
+        yield
+    finally:
+        for p, flag in zip(backbone.parameters(), flags):
+            p.requires_grad_(flag)
+        for m, mode in zip(backbone.modules(), modes):
+            m.training = mode
+
+
+def _num_layers(backbone: PreTrainedModel) -> int:
+    """Number of blocks as headkit finds them (layer -1 resolves to it)."""
+    with _left_as_it_was(backbone):
+        probe = HeadedModel(backbone, [HeadConfig("depth", loss_fct=None)])
+        return probe.hooked_layers()["depth"]
+
+
+def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress) -> dict:
+    """{(pooling or "token", layer): (R, width) float32} from one cached backbone pass."""
+    if rows.position is None:
+        heads = {
+            (p, k): HeadConfig(
+                f"layer{k}_{p}", layer_hook=k, pred_for_sequence=True, pooling=p, loss_fct=None
+            )
+            for p in poolings
+            for k in layers
+        }
+    else:
+        heads = {("token", k): HeadConfig(f"layer{k}", layer_hook=k, loss_fct=None) for k in layers}
+    lengths = torch.tensor([len(e["input_ids"]) for e in rows.examples])
+    order = torch.argsort(lengths, stable=True)  # similar lengths per batch: less padding
+    with _left_as_it_was(backbone):
+        headed = HeadedModel(backbone, list(heads.values()))
+        cached = cache_features(
+            headed,
+            [rows.examples[i] for i in order.tolist()],
+            batch_size=batch_size,
+            progress=progress,
+        )
+    if rows.position is None:
+        where = torch.empty_like(order)
+        where[order] = torch.arange(len(order))  # cache row of each example
+        rows_index = where[rows.example]
+    else:
+        starts = torch.zeros(len(order), dtype=torch.long)
+        starts[order] = torch.cumsum(lengths[order], 0) - lengths[order]
+        rows_index = starts[rows.example] + rows.position  # cache token of each labelled word
+    return {key: cached.features(cfg.name)[rows_index].float() for key, cfg in heads.items()}
+
+
+def _train_probes(features, y, split, l2, num_classes, max_iter, tol, resamples, seed, progress):
+    """Fit every problem, chunked by width and memory; per key: scores and a 95% interval."""
+    train, test, fit = split["train"], split["test"], split["fit"]
+    n_rows = int(train.sum())
+    by_width: dict[int, list] = {}
+    for key, x in features.items():
+        by_width.setdefault(x.shape[1], []).append(key)
+    outputs = fit.shape[0] * y.shape[0] * l2.numel() * (num_classes or 1)
+    chunks = []
+    for width, keys in by_width.items():
+        per_problem = 4 * (len(train) * (width + 1) * 3 + n_rows * outputs * 4)
+        size = max(1, _CHUNK_BYTES // per_problem)
+        chunks += [keys[i : i + size] for i in range(0, len(keys), size)]
+    bar = tqdm(total=len(chunks) * max_iter, desc="headkit: training probes", disable=not progress)
+    out = {}
+    try:
+        for i, keys in enumerate(chunks):
+            x = torch.stack([features[k] for k in keys])  # (B, R, d)
+            x_train, x_test = standardise(x[:, train], x[:, test])
+            del x
+            got = fit_and_score(
+                x_train, y[:, train], x_test, y[:, test], fit, l2, num_classes, max_iter, tol, bar
+            )
+            ci = bootstrap_interval(
+                got.test_items, y[:, test], num_classes is None, resamples, seed
+            )
+            for j, key in enumerate(keys):
+                out[key] = {
+                    "test": got.test[j],
+                    "train": got.train[j],
+                    "val": got.val[j],
+                    "l2": got.l2[j],
+                    "ci95": ci[j],
+                }
+            bar.n = (i + 1) * max_iter
+            bar.refresh()
+    finally:
+        bar.close()
+    return out
+
+
+def _baseline(y: torch.Tensor, split, regression: bool) -> float:
+    """Held-out score of the majority training class, or R^2 of the training mean."""
+    y_train, y_test = y[split["train"]], y[split["test"]]
+    if regression:
+        mean = y_train.double().mean()
+        yt = y_test.double()
+        ss_tot = ((yt - yt.mean()) ** 2).sum().clamp(min=1e-30)
+        return float(1 - ((yt - mean) ** 2).sum() / ss_tot)
+    majority = torch.bincount(y_train).argmax()
+    return float((y_test == majority).float().mean())
+
+
+def _result_rows(scores, layers, poolings, baseline, seeds, control) -> list[ProbeRow]:
+    rows = []
+    for p in poolings:
+        for k in layers:
+            s = scores[(p, k)]
+            test = s["test"]  # (S, V)
+            row = ProbeRow(
+                layer=k,
+                pooling=p,
+                score=float(test[:, 0].mean()),
+                train_score=float(s["train"][:, 0].mean()),
+                val_score=float(s["val"][:, 0].mean()),
+                std=float(test[:, 0].std()) if seeds > 1 else None,
+                ci95=(float(s["ci95"][0, 0]), float(s["ci95"][0, 1])),
+                baseline=baseline,
+                l2=[float(v) for v in s["l2"][:, 0]],
+            )
+            if control:
+                row.control = float(test[:, 1].mean())
+                row.control_train = float(s["train"][:, 1].mean())
+                row.control_std = float(test[:, 1].std()) if seeds > 1 else None
+                row.selectivity = row.score - row.control
+            rows.append(row)
+    return rows
+
+
+__all__ = ["TASKS", "parse_layers", "parse_poolings", "probe_layers"]
