@@ -99,20 +99,6 @@ def as_number(value: Any, column: str, row: int) -> float | list:
     return float(value)
 
 
-def as_class(value: Any) -> Any:
-    """A class label: integer-looking strings and floats become ints, others stay as given."""
-    if hasattr(value, "item") and not isinstance(value, (list, tuple)):
-        value = value.item()
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lstrip("-").isdigit():
-            return int(text)
-        return text
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 def as_list(value: Any, column: str, row: int) -> list:
     """A per-word list from a cell: a list, a JSON list string, or whitespace-separated text."""
     if isinstance(value, (list, tuple)):

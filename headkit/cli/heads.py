@@ -21,13 +21,13 @@ from tqdm.auto import tqdm
 from ..backbone.sources import load_tokenizer, resolve_model
 from ..config import HeadConfig
 from ..data.collator import HeadedCollator
-from ..data.encoding import IGNORE_INDEX, align_labels, encode_texts, encode_words
+from ..data.encoding import IGNORE_INDEX, align_labels, as_class, encode_texts, encode_words
 from ..errors import ConfigError
 from ..features import cache_features, train_heads_on_features
 from ..loading import load_headed
 from ..metrics import evaluate_head_wise
 from ..model.headed import HeadedModel
-from .datafiles import as_class, as_list, as_number, read_rows, require_columns, write_rows
+from .datafiles import as_list, as_number, read_rows, require_columns, write_rows
 
 CLI_SETTINGS = "headkit_cli.json"
 _TOP = {"model", "model_kwargs", "heads", "data", "training", "output"}

@@ -257,8 +257,9 @@ def _has(args: argparse.Namespace, option: str) -> bool:
 
 # ---------------------------------------------------------------------- commands
 def _run_probe(args: argparse.Namespace) -> None:
+    from ..data.encoding import as_class
     from ..probe.sweep import probe_layers
-    from .datafiles import as_class, as_list, as_number, read_rows, require_columns
+    from .datafiles import as_list, as_number, read_rows, require_columns
 
     rows = read_rows(args.data, args.limit)
     wanted = {"--text-column": args.text_column, "--label-column": args.label_column}

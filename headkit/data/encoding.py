@@ -1,6 +1,7 @@
 """Texts or words → token examples, and word labels → sub-token labels.
 
-One home for the rule token-level tasks rely on: a word's label goes to its **first**
+One home for the rules label readers rely on: ``as_class`` (what a class label is), and for
+token-level tasks: a word's label goes to its **first**
 sub-token; later sub-tokens of the word and special tokens get -100 (ignored by losses and
 metrics). Examples are unpadded ``{"input_ids": [...], "token_type_ids": [...]}`` dicts, ready
 for ``HeadedCollator`` and ``cache_features``.
@@ -12,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
+from ..losses.objective import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 #: Tokenizer outputs kept in an example (the collator builds ``attention_mask`` itself).
 _KEEP = ("input_ids", "token_type_ids")
 
@@ -86,3 +87,29 @@ def _check_nonempty(examples: list[dict]) -> None:
     for i, ex in enumerate(examples):
         if not ex["input_ids"]:
             raise ConfigError(f"text {i} has no tokens after tokenization; remove empty texts")
+
+
+def as_class(value: Any) -> Any:
+    """A class label as a hashable Python value, one rule for every reader of labels.
+
+    Integers, integral floats and strings that spell them (``1``, ``1.0``, ``"1"``, ``" 1.0"``)
+    are the integer class 1; NumPy and torch scalars are read as their Python value; other
+    strings are kept as they are (stripped of surrounding whitespace). A list is refused: one
+    class per example.
+    """
+    if hasattr(value, "item") and not isinstance(value, (list, tuple)):
+        value = value.item()
+    if isinstance(value, (list, tuple)):
+        raise ConfigError(f"label {value!r} is a list; a classification label is one class")
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = float(text)
+        except ValueError:
+            return text
+        return int(number) if number.is_integer() and text.lower() not in ("inf", "nan") else text
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value

@@ -94,7 +94,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     utilities can wrap it.
 
     LoRA: ``model`` may be a ``PeftModel`` or a model with peft adapters injected (see
-    ``headkit.lora``); the adapted bare transformer becomes the backbone, and
+    ``headkit.integrations.peft``); the adapted bare transformer becomes the backbone, and
     ``freeze_base_model=True`` freezes everything *except* the adapters, which stay
     trainable. Checkpoints then hold the adapter, not the backbone.
 

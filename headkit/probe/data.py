@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..data.encoding import encode_texts, encode_words, split_words
+from ..data.encoding import as_class, encode_texts, encode_words, split_words
 from ..errors import ConfigError
 from ..heads.pooling import ALIASES, POOLINGS
 
@@ -155,7 +155,7 @@ def _label_tensor(values: list, regression: bool, what: str) -> tuple[torch.Tens
         if not bool(torch.isfinite(y).all()):
             raise ConfigError(f"{what}: regression labels must be finite numbers")
         return y.float(), None
-    values = [_as_class(v) for v in values]
+    values = [as_class(v) for v in values]
     try:
         classes = sorted(set(values))
     except TypeError:
@@ -164,17 +164,6 @@ def _label_tensor(values: list, regression: bool, what: str) -> tuple[torch.Tens
         raise ConfigError(f"{what} hold a single class ({classes!r}); a probe needs at least 2")
     index = {c: i for i, c in enumerate(classes)}
     return torch.tensor([index[v] for v in values]), classes
-
-
-def _as_class(v: Any) -> Any:
-    """Class labels as hashable Python values ("1" stays a string; 1.0 becomes 1)."""
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, list):
-        raise ConfigError(f"label {v!r} is a list; task='classification' needs one class per text")
-    return v
 
 
 def _is_number(v: Any) -> bool:

@@ -3,7 +3,7 @@
 ``probe_layers`` runs the frozen backbone once per batch, only as deep as the deepest chosen
 layer (``cache_features`` with one feature head per layer and pooling), then trains one
 linear probe per (layer, pooling) on the cached features — all of them together, batched
-(``headkit.probe_fit``) — and scores each on a held-out split:
+(``headkit.probe.fit``) — and scores each on a held-out split:
 
 - held-out split: ``test_fraction`` of the examples, drawn with ``seed`` (fixed across seeds);
 - seeds: each seed holds back a different ``val_fraction`` of the training examples to choose

@@ -536,7 +536,7 @@ for line in sys.stdin:
 def test_two_processes_saving_20_times_into_one_folder(tmp_path):
     folder, rounds = tmp_path / "ckpt", 20
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(Path(__file__).parents[1])
     children = [
         subprocess.Popen(
             [sys.executable, "-c", SAVER, str(k), str(folder), tests_dir],

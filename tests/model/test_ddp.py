@@ -1,6 +1,6 @@
 """DDP: two CPU ranks (torchrun, gloo) train like one process on the same global batch.
 
-The worker (tests/ddp_worker.py) trains with HeadedTrainer and
+The worker (tests/model/ddp_worker.py) trains with HeadedTrainer and
 ``ddp_find_unused_parameters=False``; its "aux" head never gets labels, so DDP fails unless
 HeadedModel puts every head (and learned loss weight) in each step's graph.
 """
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from headkit import HeadedModel
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

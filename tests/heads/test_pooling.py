@@ -357,7 +357,7 @@ def test_compare_pooling_example_runs_end_to_end(tmp_path, monkeypatch) -> None:
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "compare_pooling.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "compare_pooling.py"
     spec = importlib.util.spec_from_file_location("compare_pooling", path)
     example = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, example)  # dataclasses look it up there

@@ -2,7 +2,7 @@
 
 With early exit the blocks after the deepest hooked layer never run, so they can never get a
 gradient: HeadedModel freezes them (and the final norm) at construction, warning once. The
-two-process tests launch tests/distributed_worker.py (a custom accelerate loop, then
+two-process tests launch tests/model/distributed_worker.py (a custom accelerate loop, then
 HeadedTrainer) with ``torchrun --nproc_per_node=2`` and with
 ``accelerate launch --multi_gpu --num_processes 2`` (on a machine without GPUs accelerate
 then runs two CPU processes over gloo; ``--cpu`` cannot be combined with ``--multi_gpu``).
@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from headkit import HeadConfig, HeadedModel
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="needs torch.distributed with the gloo backend",

@@ -15,7 +15,7 @@ from tiny_text import planted_texts, save_tiny_text_model, tagged_sentences
 from headkit.cli.datafiles import read_rows, write_rows
 from headkit.cli.main import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def headkit(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
