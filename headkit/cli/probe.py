@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--text-column", default="text", help="default: text (token task: the words)")
     add("--label-column", default="label", help="default: label (token task: one per word)")
     add("--task", default="classification", choices=("classification", "regression", "token"))
-    add("--layers", default="all", type=layers, help="all, 0,3,6 or -4: (0 = embeddings)")
+    # no string default: argparse would convert it (importing torch) before a usage error
+    add("--layers", type=layers, help="all (default), 0,3,6 or -4: (0 = embeddings)")
     add("--pooling", type=poolings, help="mean (default), or several: mean,first,last,max")
     add("--control", action="store_true", help="also probe a control task: selectivity")
     add(
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
         args.model,
         texts,
         labels,
-        layers=args.layers,
+        layers=args.layers or "all",
         pooling=args.pooling,
         task=args.task,
         control=args.control,

@@ -116,22 +116,25 @@ def test_entry_point_runs_a_probe(entry_point, smoke_runs) -> None:
     assert json.loads((out / "probe_results.json").read_text())["n_test"] == 12
 
 
-def test_help_imports_no_torch() -> None:
-    """``headkit --help`` and every ``headkit CMD --help`` print from argparse alone."""
+def test_help_and_usage_errors_import_no_torch() -> None:
+    """``headkit --help``, every ``headkit CMD --help`` and a usage error (here a missing
+    option) come from argparse alone: torch, transformers, numpy, yaml stay unimported."""
     code = f"""
 import sys
 from headkit.cli.main import main
-for argv in [["--help"]] + [[c, "--help"] for c in {sorted(COMMANDS)!r}]:
+runs = [["--help"]] + [[c, "--help"] for c in {sorted(COMMANDS)!r}]
+for argv, status in [(a, 0) for a in runs] + [(["probe", "--model", "m", "--output", "o"], 2)]:
     try:
         main(argv)
     except SystemExit as e:
-        assert e.code == 0, (argv, e.code)
+        assert e.code == status, (argv, e.code)
 heavy = ("torch", "transformers", "numpy", "yaml", "tqdm", "safetensors", "tokenizers")
 print("HEAVY", sorted(m for m in sys.modules if m.split(".")[0] in heavy))
 """
     result = run_side_by_side({"help": [sys.executable, "-c", code]})["help"]
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("usage: headkit") == 1 + len(COMMANDS)
+    assert "the following arguments are required: --data" in result.stderr
     assert result.stdout.splitlines()[-1] == "HEAVY []"
 
 
