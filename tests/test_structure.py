@@ -273,10 +273,11 @@ def _package_imports() -> dict[str, set[str]]:
                 continue
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[: len(package.split(".")) - max(node.level - 1, 0)]
-                target = ".".join(base + [node.module]) if node.level else node.module or ""
+                target = ".".join(base + [node.module or ""]) if node.level else node.module or ""
                 if node.level and not node.module:
                     target = ".".join(base)
-                names = [f"{target}.{a.name}" for a in node.names] + [target]
+                names = [f"{target}.{a.name}" for a in node.names]
+                names += [target] if node.module else []  # `from . import x`: x, not the package
             else:
                 names = [a.name for a in node.names]
             for t in names:

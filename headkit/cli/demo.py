@@ -1,27 +1,55 @@
 """``headkit demo``: the packaged MiniLM and review snippets, end to end, offline.
 
-1. ``probe_layers`` over every layer (mean pooling, control task, a few seeds);
+1. ``probe_layers`` over every layer (mean pooling, control task, a few validation splits);
 2. a sentiment head on the layer picked on validation, trained through the same code as
    ``headkit train`` from a config and CSV files it writes (so they can be rerun by hand);
 3. ``headkit predict`` on the held-out reviews.
+
+Importing this module imports argparse only; ``run`` imports the rest.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
-from ..packaged import rotten_tomatoes
-from ..probe.sweep import probe_layers
-from .datafiles import read_rows, write_rows
-from .heads import load_train_config, run_predict, run_train
+from .options import add_quiet, positive
+
+HELP = "probe the packaged MiniLM on the packaged reviews, then train a head"
+EXAMPLE = """example:
+  headkit demo                     # about a minute on 2 CPU cores
+  headkit demo --examples 4000 --output runs/demo"""
 
 LABELS = {0: "rotten", 1: "fresh"}
 
 
-def run_demo(examples: int, seeds: int, out: Path, progress: bool = True) -> dict:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--examples", type=positive, default=2000, help="reviews used (default 2000)")
+    p.add_argument(
+        "--val-splits",
+        type=positive,
+        default=3,
+        help="random validation splits the probe averages over (default 3)",
+    )
+    p.add_argument("--output", default="runs/demo", help="default: runs/demo")
+    add_quiet(p)
+
+
+def run(args: argparse.Namespace) -> None:
+    run_demo(args.examples, args.val_splits, Path(args.output), progress=not args.quiet)
+
+
+def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -> dict:
     """Run the demo, writing everything under ``out``; return the headline numbers."""
     import yaml
+
+    from ..packaged import rotten_tomatoes
+    from ..probe.sweep import probe_layers
+    from .datafiles import read_rows, write_rows
+    from .predict import run_predict
+    from .probe import val_splits_keyword
+    from .train import load_train_config, run_train
 
     start = time.perf_counter()
     rows = rotten_tomatoes(limit=examples, seed=0)
@@ -31,9 +59,17 @@ def run_demo(examples: int, seeds: int, out: Path, progress: bool = True) -> dic
         f"headkit demo: {len(rows)} rotten-tomatoes review snippets (fresh or rotten) and the "
         "packaged all-MiniLM-L6-v2 (6 layers); nothing is downloaded\n"
     )
-    print(f"[1/3] a linear probe per layer (mean pooling, {seeds} seeds, control task)")
+    print(
+        f"[1/3] a linear probe per layer (mean pooling, {val_splits} validation splits, "
+        "control task)"
+    )
     results = probe_layers(
-        "packaged:minilm", texts, labels, control=True, seeds=seeds, progress=progress
+        "packaged:minilm",
+        texts,
+        labels,
+        control=True,
+        progress=progress,
+        **val_splits_keyword(val_splits),
     )
     print(results.table())
     out.mkdir(parents=True, exist_ok=True)

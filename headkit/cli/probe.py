@@ -1,0 +1,130 @@
+"""``headkit probe``: one linear probe per layer, held-out score against depth.
+
+Reads texts and labels from a data file, runs ``probe_layers`` and writes
+``DIR/probe_results.json`` and ``DIR/probe_results.png`` (docs/probing.md). Importing this
+module imports argparse only; ``run`` imports the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+from .options import (
+    DATA_HELP,
+    add_batching,
+    floats,
+    fraction,
+    key_value,
+    layers,
+    poolings,
+    positive,
+)
+
+if TYPE_CHECKING:
+    from ..probe.results import ProbeResults
+
+HELP = "one linear probe per layer: score vs depth, error bars, control"
+EXAMPLE = """example:
+  headkit probe --model packaged:minilm --data reviews.csv --text-column text \\
+      --label-column label --layers all --pooling mean,first --control --val-splits 3 \\
+      --output runs/probe
+  headkit probe --model ./my-bert --data pos.jsonl --task token --layers -4: --output runs/pos
+writes DIR/probe_results.json (held-out "accuracy" or "r2" per layer) and DIR/probe_results.png"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    add("--model", required=True, help="path, hub id, packaged:minilm or packaged:smollm2")
+    add("--data", required=True, help=DATA_HELP)
+    add("--text-column", default="text", help="default: text (token task: the words)")
+    add("--label-column", default="label", help="default: label (token task: one per word)")
+    add("--task", default="classification", choices=("classification", "regression", "token"))
+    # no string default: argparse would convert it (importing torch) before a usage error
+    add("--layers", type=layers, help="all (default), 0,3,6 or -4: (0 = embeddings)")
+    add("--pooling", type=poolings, help="mean (default), or several: mean,first,last,max")
+    add("--control", action="store_true", help="also probe a control task: selectivity")
+    add(
+        "--val-splits",
+        type=positive,
+        default=3,
+        help="random validation splits to average over (default 3)",
+    )
+    add("--seed", type=int, default=0, help="seed of the held-out split (default 0)")
+    add("--test-fraction", type=fraction, default=0.2, help="held-out share (default 0.2)")
+    add("--l2", type=floats, help="L2 penalties chosen from on validation (default 1e-4..1)")
+    add("--output", required=True, help="folder for probe_results.json and .png")
+    add_batching(p)
+    add(
+        "--model-kwarg",
+        type=key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="from_pretrained argument, e.g. gguf_file=model.gguf (repeatable)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from ..data.encoding import as_class
+    from ..probe.sweep import probe_layers
+    from .datafiles import as_list, as_number, read_rows, require_columns
+
+    rows = read_rows(args.data, args.limit)
+    wanted = {"--text-column": args.text_column, "--label-column": args.label_column}
+    require_columns(rows, wanted, args.data)
+    tc, lc = args.text_column, args.label_column
+    if args.task == "token":
+        texts = [as_list(r[tc], tc, i) for i, r in enumerate(rows)]
+        labels = [[as_class(v) for v in as_list(r[lc], lc, i)] for i, r in enumerate(rows)]
+    else:
+        texts = [str(r[tc]) for r in rows]
+        if args.task == "classification":
+            labels = [as_class(r[lc]) for r in rows]
+        else:
+            labels = [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
+    options = {"l2": args.l2} if args.l2 else {}
+    results = probe_layers(
+        args.model,
+        texts,
+        labels,
+        layers=args.layers or "all",
+        pooling=args.pooling,
+        task=args.task,
+        control=args.control,
+        seed=args.seed,
+        test_fraction=args.test_fraction,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        progress=not args.quiet,
+        model_kwargs=dict(args.model_kwarg),
+        **val_splits_keyword(args.val_splits),
+        **options,
+    )
+    print(results.table())
+    write_results(results, Path(args.output))
+
+
+def val_splits_keyword(n: int) -> dict[str, int]:
+    """``{"val_splits": n}`` for ``probe_layers``, or ``{"seeds": n}`` where it is older."""
+    # TODO(lead): drop after merge
+    from ..probe.sweep import probe_layers
+
+    name = "val_splits" if "val_splits" in inspect.signature(probe_layers).parameters else "seeds"
+    return {name: n}
+
+
+def write_results(results: ProbeResults, out: Path) -> None:
+    """``out/probe_results.json`` and, where matplotlib is installed, ``.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    results.to_json(out / "probe_results.json")
+    written = [str(out / "probe_results.json")]
+    try:
+        written.append(str(results.plot(out / "probe_results.png")))
+    except ConfigError as e:  # matplotlib missing: the JSON is still there
+        print(f"headkit: no plot ({e})", file=sys.stderr)
+    print(f"wrote {' and '.join(written)}")

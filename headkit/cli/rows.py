@@ -1,0 +1,146 @@
+"""Table rows to a HeadedModel's examples, and its predictions back to table cells.
+
+How a head's labels look in a data file follows its task (``HeadConfig.task``, asked of the
+loss's ``LossSpec``): classifier labels are any strings or numbers, mapped to indices in sorted
+order (the classes travel in the head's ``extra["classes"]`` and predictions are written back
+as them); binary and regression heads read numbers. Token heads (``pred_for_sequence=False``)
+read one label per word, given to the word's first sub-token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import HeadConfig
+from ..data.encoding import IGNORE_INDEX, align_labels, as_class, encode_texts, encode_words
+from ..errors import ConfigError
+from .datafiles import as_list, as_number
+
+
+def _targets(configs: list[HeadConfig]) -> dict[str, dict[str, bool]]:
+    """Per target: whether it is token-level and whether it holds classes."""
+    out: dict[str, dict[str, bool]] = {}
+    for c in configs:
+        kind = {"token": not c.pred_for_sequence, "classes": c.task == "classification"}
+        if out.setdefault(c.target, kind) != kind:
+            raise ConfigError(
+                f"heads on target {c.target!r} disagree on token-level or class labels; "
+                "give them different targets"
+            )
+    return out
+
+
+def _classes_of(rows: list[dict], column: str, token: bool) -> list:
+    values = set()
+    for i, r in enumerate(rows):
+        cell = r[column]
+        values.update(as_class(v) for v in (as_list(cell, column, i) if token else [cell]))
+    try:
+        return sorted(values)
+    except TypeError:
+        return sorted(values, key=repr)
+
+
+def _label(cell: Any, column: str, row: int, kind: dict[str, bool], classes: list | None) -> Any:
+    def one(v: Any) -> Any:
+        if not kind["classes"]:
+            return as_number(v, column, row)
+        c = as_class(v)
+        if c not in classes:
+            raise ConfigError(
+                f"column {column!r}, row {row}: class {c!r} was not seen in training; "
+                f"known classes: {classes}"
+            )
+        return classes.index(c)
+
+    return [one(v) for v in as_list(cell, column, row)] if kind["token"] else one(cell)
+
+
+def with_classes(
+    configs: list[HeadConfig], rows: list[dict], label_columns: dict[str, str], where: str
+) -> list[HeadConfig]:
+    """Record each classifier's classes (sorted) and default its num_outputs to their count."""
+    kinds = _targets(configs)
+    unknown = sorted(set(label_columns) - set(kinds))
+    if unknown:
+        raise ConfigError(
+            f"{where}: label_columns has target(s) {unknown} that no head reads; targets: "
+            f"{sorted(kinds)}"
+        )
+    out = []
+    for c in configs:
+        if c.target not in label_columns:
+            raise ConfigError(f"{where}: head {c.name!r} needs label_columns[{c.target!r}]")
+        if kinds[c.target]["classes"]:
+            classes = _classes_of(rows, label_columns[c.target], kinds[c.target]["token"])
+            n = c.num_outputs or len(classes)
+            if n < len(classes):
+                raise ConfigError(
+                    f"head {c.name!r}: num_outputs={n} but column {label_columns[c.target]!r} "
+                    f"has {len(classes)} classes ({classes[:20]})"
+                )
+            c = c.replace(num_outputs=n, extra={**c.extra, "classes": classes})
+        out.append(c)
+    return out
+
+
+def encode_rows(
+    rows: list[dict],
+    tokenizer: Any,
+    configs: list[HeadConfig],
+    text_column: str,
+    label_columns: dict[str, str] | None,
+    max_length: int,
+) -> tuple[list[dict], list[list[int]] | None]:
+    """Examples for a HeadedModel and, with token heads, each example's word index per token.
+
+    ``label_columns`` maps targets to columns (None: no labels, for predict); classes come
+    from each head's ``extra["classes"]``.
+    """
+    kinds = _targets(configs)
+    words = any(k["token"] for k in kinds.values())
+    if words:
+        texts = [as_list(r[text_column], text_column, i) for i, r in enumerate(rows)]
+        examples, word_index = encode_words(tokenizer, texts, max_length)
+    else:
+        texts = [str(r[text_column]) for r in rows]
+        examples, word_index = encode_texts(tokenizer, texts, max_length), None
+    classes = {c.target: c.extra.get("classes") for c in configs}
+    for target, column in (label_columns or {}).items():
+        kind = kinds[target]
+        for i, (r, ex) in enumerate(zip(rows, examples)):
+            y = _label(r[column], column, i, kind, classes[target])
+            if kind["token"]:
+                if len(y) != len(texts[i]):
+                    raise ConfigError(
+                        f"column {column!r}, row {i}: {len(y)} labels for {len(texts[i])} words"
+                    )
+                y = align_labels(word_index[i], y, IGNORE_INDEX)
+            ex[target] = y
+    return examples, word_index
+
+
+def readable(name: str, cfg: HeadConfig, p: torch.Tensor) -> dict[str, Any]:
+    """Output cells of one input: ``p`` is (num_outputs,) for a sequence head and
+    (words, num_outputs) for a token head (one list entry per word).
+
+    Classifiers give the class and its softmax probability, binary heads the 0/1 decision at
+    the loss's threshold and the probability, regressors the value(s).
+    """
+    task = cfg.task
+    if task == "regression":
+        values = p[..., 0] if p.shape[-1] == 1 else p
+        return {name: values.tolist()}
+    if task == "binary":
+        spec = cfg.spec
+        decision = p > spec.threshold  # on probabilities or on logits, as the loss reads them
+        prob = p if spec.needs_probabilities else torch.sigmoid(p.float())
+        if p.shape[-1] == 1:
+            decision, prob = decision[..., 0], prob[..., 0]
+        return {name: decision.long().tolist(), f"{name}_prob": prob.tolist()}
+    classes = cfg.extra.get("classes") or list(range(p.shape[-1]))
+    top, index = torch.softmax(p.float(), -1).max(-1)
+    names = [classes[i] if i < len(classes) else i for i in index.reshape(-1).tolist()]
+    return {name: names[0] if p.dim() == 1 else names, f"{name}_prob": top.tolist()}
