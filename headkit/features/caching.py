@@ -4,7 +4,7 @@
 deep as the deepest hooked layer) and keeps what each head reads:
 
 - ``"pooled"`` heads (sequence heads whose pooling has no trainable parameters): the pooled
-  vector ``MLPHead.features(hidden, mask, pooler)``, one (width,) row per sequence.
+  vector ``Head.features(hidden, mask)``, one (width,) row per sequence.
 - ``"tokens"`` heads (token heads, causal-LM heads, and sequence heads with a trainable
   pooling such as ``"attention"``): the hooked layer's states at the **non-padding positions
   only**, flattened to (num_tokens, hidden) with per-sequence ``offsets``. Batches are

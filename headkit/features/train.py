@@ -183,7 +183,7 @@ def _head_preds(
     x = batch["features"][info["features"]]
     if info["layout"] == "pooled" or not info["pred_for_sequence"]:
         return head.from_features(x)
-    return head(x, batch["mask"], model.info.pooler)  # trainable pooling runs on token states
+    return head(x, batch["mask"])  # trainable pooling runs on token states
 
 
 def _batch_loss(

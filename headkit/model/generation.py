@@ -444,7 +444,7 @@ def _finish(
     head_outputs = {n: _stitch(rec.token_outputs[n], P, total) for n in plan.token_heads}
     for name, layer in plan.sequence_heads.items():
         states = _stitch(rec.states[layer], 0, total)  # (rows, P + N, hidden)
-        head_outputs[name] = headed.heads[name](states, full_mask.to(dev), headed.info.pooler)
+        head_outputs[name] = headed.heads[name](states, full_mask.to(dev))
     logprobs = torch.stack([rec.logprobs[p] for p in range(P, total)], -1) if N else None
     return HeadedGenerateOutput(
         sequences=sequences,
