@@ -74,13 +74,14 @@ class MLPHead(Head):
 
     @classmethod
     def parameter_count(cls, config: HeadConfig, pooler_size: int | None = None) -> int:
-        width, n = cls.pooled_width(config, pooler_size), config.num_layers
-        widths = [width] + [config.hidden_size] * (n - 1) + [config.num_outputs]
-        count = cls.pooling_parameter_count(config)
-        for i, (a, b) in enumerate(zip(widths, widths[1:])):
-            bias = config.output_bias if i == n - 1 else True
-            count += a * b + (b if bias else 0)
-        return count
+        w, n = cls.pooled_width(config, pooler_size), config.num_layers
+        h, o = config.hidden_size, config.num_outputs
+        last = o if config.output_bias else 0  # the last Linear's bias
+        if n == 1:
+            linears = w * o + last
+        else:  # w → h, (n - 2) × h → h, h → o; every Linear but the last has a bias
+            linears = (w + 1) * h + (n - 2) * (h + 1) * h + h * o + last
+        return cls.pooling_parameter_count(config) + linears
 
     @classmethod
     def tensor_count(cls, config: HeadConfig) -> int:

@@ -292,19 +292,17 @@ class _HeadedDriver:
         cache = cache if cache is not None else past_key_values
         past = int(cache.get_seq_length()) if cache is not None else 0
         flags = {k: kwargs.get(k) for k in ("output_attentions", "output_hidden_states")}
-        inputs = prepare_inputs(
-            headed.backbone,
-            headed.info,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            inputs_embeds=inputs_embeds,
-            token_type_ids=token_type_ids,
-            use_cache=use_cache,
-            check=False,
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": cache,
+            "inputs_embeds": inputs_embeds,
+            "token_type_ids": token_type_ids,
+            "use_cache": use_cache,
             **flags,
-        )
+        }
+        inputs = prepare_inputs(headed.backbone, headed.info, batch, check=False)
         layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
         # Stop after the deepest needed block: a step needs the cache object it was given
         # (filled in place), and the final step needs no cache at all.
