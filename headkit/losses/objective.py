@@ -47,10 +47,12 @@ class LossSpec:
     ``classes=False``: preds (N, n), labels (N, n) floats (a (N,) label is read as (N, 1)).
     ``ignores_minus_100``: label values equal to -100 contribute nothing (otherwise -100 at
     a position that counts is refused; class indices always skip it, no class being
-    negative: the ``fn`` of a class loss gets -100 where nothing counts). ``target_range``: allowed label values, inclusive.
-    ``needs_probabilities``: predictions must be in [0, 1] (the head's output activation must
-    give them). ``metric``: which metrics fit: "classification" (class indices, the default
-    with ``classes``), else "regression" (the default) or "binary". ``threshold``: the decision threshold of binary predictions.
+    negative: the ``fn`` of a class loss gets -100 where nothing counts).
+    ``target_range``: allowed label values, inclusive. ``needs_probabilities``: predictions
+    must be in [0, 1] (the head's output activation must give them). ``metric``: which
+    metrics fit: "classification" (class indices, the default with ``classes``), else
+    "regression" (the default) or "binary". ``threshold``: the decision threshold of binary
+    predictions.
     """
 
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -195,7 +197,9 @@ class TargetRule:
         return all(r.ignore_index is not None for r in self.heads.values())
 
 
-def target_rules(head_configs: Mapping[str, HeadConfig] | Iterable[HeadConfig]) -> dict[str, TargetRule]:
+def target_rules(
+    head_configs: Mapping[str, HeadConfig] | Iterable[HeadConfig],
+) -> dict[str, TargetRule]:
     """Each target's ``TargetRule``; a ConfigError naming both heads when one target would be
     read as one label per example by one head and one label per position by another."""
     configs = head_configs.values() if isinstance(head_configs, Mapping) else head_configs
@@ -243,8 +247,8 @@ def fit_labels(cfg: HeadConfig, preds: torch.Tensor, labels: torch.Tensor) -> to
         elif not sequence and labels.dim() >= 2 and labels.shape[1] != lead[1]:
             hint = f" (label sequence length {labels.shape[1]} != input length {lead[1]})"
         raise BatchError(
-            f"{_where(cfg)} is a {rule.layout} head: labels of shape {tuple(labels.shape)} do not fit; "
-            f"expected {' or '.join(str(e) for e in expected)}{hint}"
+            f"{_where(cfg)} is a {rule.layout} head: labels of shape {tuple(labels.shape)} do not "
+            f"fit; expected {' or '.join(str(e) for e in expected)}{hint}"
         )
     if not classes and labels.dim() == len(lead):
         labels = labels.unsqueeze(-1)

@@ -8,8 +8,8 @@ exp(-s) × loss + s with one learned log-variance s per head, times loss_weight.
 Schemes are registered by name (``WEIGHTINGS``, like ``LOSSES`` and ``HEADS``): a scheme's
 ``name`` is the one it is registered under, and checkpoints record it with ``config()``, so a
 user's ``@WEIGHTINGS.register("mine")`` subclass of ``LossWeighting`` saves and loads back.
-It is built as ``cls(weights, **options)`` with ``weights`` the heads' ``loss_weight``\ s and
-``options`` what its ``config()`` returned besides the name.
+It is built as ``cls(weights, **options)`` with ``weights`` the heads' ``loss_weight`` values
+and ``options`` what its ``config()`` returned besides the name.
 """
 
 from __future__ import annotations

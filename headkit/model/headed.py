@@ -184,7 +184,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         else:
             freeze_unreached(self)
         hide_head_dicts_from_trainer(self.backbone.config)
-        prepare_tracing(self.backbone, self.info, set(self._layer_of_head.values()))  # torch.compile
+        layers = set(self._layer_of_head.values())
+        prepare_tracing(self.backbone, self.info, layers)  # capture hooks for torch.compile
         self.set_loss_weighting(loss_weighting)
         # ``model.forward`` advertises the heads' targets (see labels.ForwardWithTargets).
         self.forward = ForwardWithTargets(type(self).forward, self)
