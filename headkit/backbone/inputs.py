@@ -116,7 +116,7 @@ def prepare_inputs(
         "output_hidden_states": batch.get("output_hidden_states"),
     }
     params = info.forward_params
-    if "past_key_values" not in params and "cache" in params:  # transformers >= 5.2x name
+    if "past_key_values" not in params and "cache" in params:  # its name since transformers 5.24.0
         inputs["cache"] = inputs.pop("past_key_values")
     # output_* flags are read from **kwargs by transformers 5 models, not named parameters.
     via_kwargs = {"output_attentions", "output_hidden_states"} if "kwargs" in params else set()
@@ -322,7 +322,7 @@ def _check_mask(attention_mask: Any, batch_seq: tuple[int, ...], past: int) -> N
 
 
 def cache_of(out: Any) -> Any:
-    """The KV cache of a backbone output: ``cache`` (transformers >= 5.2x; its deprecated alias
-    ``past_key_values`` warns) or ``past_key_values`` (earlier versions)."""
+    """The KV cache of a backbone output: ``cache`` (transformers >= 5.24.0; its deprecated
+    alias ``past_key_values`` warns) or ``past_key_values`` (transformers < 5.24.0)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)

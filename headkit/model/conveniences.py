@@ -73,7 +73,7 @@ class PreTrainedConveniences:
             bb.activation_checkpointing_enable(
                 activation_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload
             )
-        else:  # transformers releases before the rename
+        else:  # transformers < 5.23.0 has only this name
             bb.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=activation_checkpointing_kwargs
             )

@@ -285,7 +285,7 @@ class _HeadedDriver:
         token_type_ids: torch.Tensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: Any = None,  # the cache's name before transformers 5.2x
+        past_key_values: Any = None,  # the cache's name before transformers 5.24.0
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         headed, plan = self._headed, self.plan
