@@ -101,7 +101,7 @@ def test_an_unregistered_weighting_is_refused_before_anything_is_written(tmp_pat
         build_tiny("bert", num_layers=2), HEADS_AB, loss_weighting=Unnamed({"a": 2.0, "b": 1.0})
     )
     assert model.loss_weighting.name is None
-    assert float(model(**BATCH, **LABELS).loss.detach()) > 0  # it trains: only saving needs the name
+    assert float(model(**BATCH, **LABELS).loss.detach()) > 0  # only saving needs the name
     with pytest.raises(
         ConfigError,
         match=r"loss_weighting=Unnamed: its config\(\) names None.*@WEIGHTINGS.register",
