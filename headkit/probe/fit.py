@@ -1,5 +1,5 @@
-"""Batched linear probes: every layer, pooling, validation split, label
-variant and L2 value in one tensor.
+"""Batched linear probes: each layer, pooling, validation split, label variant and L2 value
+as columns of one tensor.
 
 Features ``x`` are (B, N, d): B probing problems (one per layer and pooling of one width) over
 N training rows. Output columns are indexed (split, variant, l2[, class]). Every column group
