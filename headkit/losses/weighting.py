@@ -129,12 +129,15 @@ def savable_config(weighting: LossWeighting) -> dict:
     """``weighting.config()``, checked to name the class a checkpoint will build again."""
     cfg = weighting.config()
     name = cfg.get("name") if isinstance(cfg, dict) else None
-    if name not in WEIGHTINGS or WEIGHTINGS.get(name) is not type(weighting):
-        cls = type(weighting).__name__
+    if name in WEIGHTINGS and WEIGHTINGS.get(name) is type(weighting):
+        return cfg
+    cls, registered = type(weighting).__name__, WEIGHTINGS.name_of(type(weighting))
+    if registered is None:
         raise ConfigError(
-            f"loss_weighting={cls}: its config() names {name!r}, which is not the name "
-            f"{cls} is registered under in WEIGHTINGS, so a checkpoint could not build it "
-            f"again; register it (@WEIGHTINGS.register('my_scheme') on the class) and let "
-            "config() return {'name': self.name, **options}"
+            f"loss_weighting={cls} is not registered in WEIGHTINGS, so a checkpoint could not "
+            f"build it again; register it (@WEIGHTINGS.register('my_scheme') on the class)"
         )
-    return cfg
+    raise ConfigError(
+        f"loss_weighting={cls}: its config() names {name!r}, but {cls} is registered as "
+        f"{registered!r}; let config() return {{'name': self.name, **options}}"
+    )

@@ -104,24 +104,29 @@ def test_an_unregistered_weighting_is_refused_before_anything_is_written(tmp_pat
     assert float(model(**BATCH, **LABELS).loss.detach()) > 0  # only saving needs the name
     with pytest.raises(
         ConfigError,
-        match=r"loss_weighting=Unnamed: its config\(\) names None.*@WEIGHTINGS.register",
+        match=r"loss_weighting=Unnamed is not registered in WEIGHTINGS.*@WEIGHTINGS.register",
     ):
         model.save_pretrained(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
-def test_a_subclass_that_keeps_its_parents_name_is_refused_too(tmp_path):
+def test_a_registered_weighting_whose_config_names_another_scheme_is_refused(tmp_path):
     class Renamed(LossWeighting):
         def config(self):
             return {"name": "fixed"}  # would come back as a plain LossWeighting
 
-    model = HeadedModel(
-        build_tiny("bert", num_layers=2), HEADS_AB, loss_weighting=Renamed({"a": 2.0, "b": 1.0})
-    )
-    with pytest.raises(
-        ConfigError, match=r"names 'fixed', which is not the name Renamed is registered"
-    ):
-        model.save_pretrained(tmp_path / "ckpt")
+    WEIGHTINGS.register("renamed_test", Renamed)
+    try:
+        model = HeadedModel(
+            build_tiny("bert", num_layers=2), HEADS_AB, loss_weighting="renamed_test"
+        )
+        with pytest.raises(
+            ConfigError,
+            match=r"config\(\) names 'fixed', but Renamed is registered as 'renamed_test'",
+        ):
+            model.save_pretrained(tmp_path / "ckpt")
+    finally:
+        WEIGHTINGS.remove("renamed_test")
 
 
 @pytest.mark.parametrize(
