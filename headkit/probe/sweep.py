@@ -89,10 +89,8 @@ def probe_layers(
     and train/eval mode).
     """
     _check_args(
-        task, val_splits, test_fraction, val_fraction, l2, bootstrap, len(texts), len(labels)
+        task, pooling, val_splits, test_fraction, val_fraction, l2, bootstrap, texts, labels
     )
-    if task == "token" and pooling is not None:
-        raise ConfigError(f"pooling={pooling!r} does not apply to task='token'; leave it unset")
     poolings = [] if task == "token" else parse_poolings(pooling or "mean")
     settings = {"seed": seed, "test_fraction": test_fraction, "val_fraction": val_fraction}
     settings.update(max_length=max_length, bootstrap=bootstrap, n_examples=len(texts))
@@ -156,9 +154,13 @@ class _Laps:
         self.last = now
 
 
-def _check_args(task, val_splits, test_fraction, val_fraction, l2, bootstrap, n_texts, n_labels):
+def _check_args(
+    task, pooling, val_splits, test_fraction, val_fraction, l2, bootstrap, texts, labels
+):
     if task not in TASKS:
         raise ConfigError(f"task={task!r} is invalid; allowed: {', '.join(TASKS)}")
+    if task == "token" and pooling is not None:
+        raise ConfigError(f"pooling={pooling!r} does not apply to task='token'; leave it unset")
     if not isinstance(val_splits, int) or isinstance(val_splits, bool) or val_splits < 1:
         raise ConfigError(
             f"val_splits={val_splits!r} is invalid; an integer >= 1 (how many validation splits)"
@@ -170,8 +172,8 @@ def _check_args(task, val_splits, test_fraction, val_fraction, l2, bootstrap, n_
         raise ConfigError(f"l2={l2!r} is invalid; one or more penalties > 0")
     if not isinstance(bootstrap, int) or bootstrap < 10:
         raise ConfigError(f"bootstrap={bootstrap!r} is invalid; an integer >= 10 (resamples)")
-    if n_texts != n_labels:
-        raise ConfigError(f"got {n_texts} texts but {n_labels} labels; one label per text")
+    if len(texts) != len(labels):
+        raise ConfigError(f"got {len(texts)} texts but {len(labels)} labels; one label per text")
 
 
 def _backbone_and_tokenizer(model: Any, tokenizer: Any, model_kwargs: Any) -> tuple[Any, Any]:
