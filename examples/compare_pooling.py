@@ -43,7 +43,7 @@ def run_model(key: str, args: argparse.Namespace):
         layers=args.layers,
         pooling=POOLINGS + extra,
         test_fraction=n_test / (n_train + n_test),
-        seeds=args.seeds,
+        val_splits=args.val_splits,
         seed=args.seed,
         max_length=args.max_length,
     )
@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.add_argument(f"--{key}-train", type=int, default=0, help="texts (0: the default)")
         ap.add_argument(f"--{key}-test", type=int, default=0, help="texts (0: the default)")
     ap.add_argument("--layers", default="all", help="all, 0,3,6 or -4: (hidden_states indices)")
-    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--val-splits", type=int, default=1, help="validation splits to average")
     ap.add_argument("--max-length", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

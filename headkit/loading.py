@@ -124,29 +124,17 @@ def _backbone(
             raise ConfigError(f"model class {model.__name__} is not a transformers PreTrainedModel")
         if model_name is None:
             raise ConfigError(f"load_headed({model.__name__}, ...) needs the model path or id next")
-        hf = load_backbone(
-            str(model_name),
-            torch_dtype=torch_dtype,
-            device_map=device_map,
-            model_class=model,
-            **kwargs,
+        where, how = model_name, {"model_class": model}
+    elif isinstance(model, (str, os.PathLike)):
+        where = transformer_folder(model) if os.path.isdir(model) else model
+        how = {"causal_lm": causal_lm}
+    else:
+        model = transformers_model_of(model) if is_sentence_transformer(model) else model
+        if isinstance(model, PreTrainedModel):
+            return model, None
+        raise ConfigError(
+            f"model={type(model).__name__} is invalid; a path, hub id, PreTrainedModel class "
+            "or PreTrainedModel"
         )
-        return hf, source_of(hf, model_name, torch_dtype, kwargs)
-    if isinstance(model, (str, os.PathLike)):
-        model = transformer_folder(model) if os.path.isdir(model) else model
-        hf = load_backbone(
-            str(model),
-            torch_dtype=torch_dtype,
-            device_map=device_map,
-            causal_lm=causal_lm,
-            **kwargs,
-        )
-        return hf, source_of(hf, model, torch_dtype, kwargs)
-    if is_sentence_transformer(model):
-        model = transformers_model_of(model)
-    if isinstance(model, PreTrainedModel):
-        return model, None
-    raise ConfigError(
-        f"model={type(model).__name__} is invalid; a path, hub id, PreTrainedModel class "
-        "or PreTrainedModel"
-    )
+    hf = load_backbone(str(where), torch_dtype=torch_dtype, device_map=device_map, **how, **kwargs)
+    return hf, source_of(hf, where, torch_dtype, kwargs)

@@ -26,13 +26,8 @@ from tqdm.auto import tqdm
 
 from .config import HeadConfig
 from .errors import BatchError
-from .losses.objective import IGNORE_INDEX, counted_positions, fit_labels, task_of
+from .losses.objective import IGNORE_INDEX, counted_positions, fit_labels, label_rule
 from .model.labels import keep_model_columns, loss_heads, route_labels, without_unused_labels
-
-
-def head_kind(cfg: HeadConfig) -> str:
-    """ "lm", "regression", "binary" or "classification": which metrics the head gets."""
-    return task_of(cfg)
 
 
 class HeadMetric:
@@ -41,7 +36,8 @@ class HeadMetric:
 
     def __init__(self, cfg: HeadConfig) -> None:
         self.cfg = cfg
-        self.kind = task_of(cfg)
+        self.rule = label_rule(cfg)  # how the head reads its labels, as its loss does
+        self.kind = self.rule.task
         n = int(cfg.num_outputs or 1)
         self.n = n
         if self.kind == "classification":
@@ -65,7 +61,7 @@ class HeadMetric:
         y = fit_labels(self.cfg, p, _tensor(labels))
         mask = None if attention_mask is None else _tensor(attention_mask)
         p, y, valid = counted_positions(self.cfg, p, y, mask)
-        if self.kind in ("classification", "lm"):
+        if self.rule.classes:
             y = y.long()
             valid = valid & (y != IGNORE_INDEX)
             if self.kind == "lm":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from .errors import ConfigError
@@ -13,7 +13,9 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """A dict of named builders whose lookup errors list the allowed names.
 
-    ``kind`` is the thing registered ("activation", "loss", ...), used in messages.
+    ``kind`` is the thing registered ("activation", "loss", ...) and ``field`` the config
+    field that names one, both used in messages. Names are case-insensitive; registering a
+    name twice is a ConfigError unless ``overwrite=True``.
     """
 
     def __init__(self, kind: str, field: str) -> None:
@@ -24,11 +26,15 @@ class Registry(Generic[T]):
     def register(self, name: str, item: T | None = None, *, overwrite: bool = False):
         """Register ``item`` under ``name``; usable as a decorator when ``item`` is omitted."""
 
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+
         def _add(obj: T) -> T:
             key = name.lower()
             if key in self._items and not overwrite:
-                raise ValueError(
-                    f"{self.kind} {name!r} is already registered (pass overwrite=True)"
+                raise ConfigError(
+                    f"{self.kind} {name!r} is already registered; choose another name, or "
+                    "pass overwrite=True to replace it"
                 )
             self._items[key] = obj
             return obj
@@ -50,6 +56,10 @@ class Registry(Generic[T]):
             )
         return self._items[name.lower()]
 
+    def name_of(self, item: object) -> str | None:
+        """The (first) name ``item`` is registered under, or None when it is not registered."""
+        return next((k for k, v in self._items.items() if v is item), None)
+
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._items
 
@@ -58,6 +68,3 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
-
-
-Builder = Callable[..., object]

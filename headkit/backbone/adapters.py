@@ -98,13 +98,6 @@ def base_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: state[key] for key, name in base.items()}
 
 
-def adapter_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters that belong to adapters (LoRA matrices, trained copies)."""
-    params = dict(module.named_parameters())
-    _, adapter = split_names(module, list(params))
-    return {k: params[k] for k in params if k in adapter}
-
-
 def base_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters that are not the adapters' (all of them when there are none)."""
     params = dict(module.named_parameters())

@@ -95,27 +95,6 @@ def tensors_fingerprint(module: torch.nn.Module) -> str:
     return "tensors:" + h.hexdigest()
 
 
-def legacy_fingerprint(module: torch.nn.Module) -> str:
-    """The fingerprint headkit wrote before ``files:``/``tensors:`` ones (sums of every
-    tensor: O(parameters)); used only to check checkpoints that recorded one."""
-    h = hashlib.sha256()
-    items = list(module.state_dict().items())
-    with torch.no_grad():
-        sums = [t.detach().sum(dtype=torch.float64) for _, t in items]
-        abs_sums = [t.detach().abs().sum(dtype=torch.float64) for _, t in items]
-        values = torch.stack(sums + abs_sums).cpu().tolist() if items else []
-    for (name, t), v in zip(items, values):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{v!r};".encode())
-    for v in values[len(items) :]:
-        h.update(f"{v!r};".encode())
-    return h.hexdigest()
-
-
-def is_cheap(fingerprint: str | None) -> bool:
-    """Whether a recorded fingerprint is of this module's kinds (not a legacy one)."""
-    return isinstance(fingerprint, str) and fingerprint.startswith(("files:", "tensors:"))
-
-
 @dataclass(frozen=True)
 class _TensorStamp:
     shape: tuple[int, ...]

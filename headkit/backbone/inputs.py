@@ -11,6 +11,7 @@ transformers' dialect (the cache's name, output flags through ``**kwargs``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,8 @@ MODEL_INPUTS = (
     "output_hidden_states",
     "return_dict",
 )
+#: What the input stage takes (``MODEL_INPUTS`` but ``return_dict``, which shapes the output).
+STAGE_INPUTS = MODEL_INPUTS[:-1]
 #: Per-token inputs a collator pads, with their pad value (None: the pad token id).
 TOKEN_INPUT_PADS: dict[str, int | None] = {
     "input_ids": None,
@@ -76,19 +79,18 @@ class BackboneInputs:
 def prepare_inputs(
     backbone: PreTrainedModel,
     info: BackboneInfo,
-    *,
-    input_ids: Any = None,
-    attention_mask: Any = None,
-    position_ids: Any = None,
-    past_key_values: Any = None,
-    inputs_embeds: Any = None,
-    token_type_ids: Any = None,
-    use_cache: bool | None = None,
-    output_attentions: bool | None = None,
-    output_hidden_states: bool | None = None,
+    batch: Mapping[str, Any],
     check: bool = True,
 ) -> BackboneInputs:
-    """Check the inputs and build the backbone's keyword arguments (see module docstring)."""
+    """Check a batch's model inputs and build the backbone's keyword arguments (see the
+    module docstring). ``batch`` maps ``STAGE_INPUTS`` names to values (None or absent: not
+    given); any other key is a BatchError."""
+    unknown = sorted(k for k in batch if k not in STAGE_INPUTS)
+    if unknown:
+        raise BatchError(f"unexpected model input(s) {unknown}; allowed: {list(STAGE_INPUTS)}")
+    input_ids, inputs_embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    attention_mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
+    token_type_ids, past_key_values = batch.get("token_type_ids"), batch.get("past_key_values")
     past = _past_length(past_key_values)
     if check:
         check_inputs(
@@ -110,17 +112,17 @@ def prepare_inputs(
         "past_key_values": past_key_values,
         "inputs_embeds": inputs_embeds,
         "token_type_ids": token_type_ids,
-        "output_attentions": output_attentions,
-        "output_hidden_states": output_hidden_states,
+        "output_attentions": batch.get("output_attentions"),
+        "output_hidden_states": batch.get("output_hidden_states"),
     }
     params = info.forward_params
-    if "past_key_values" not in params and "cache" in params:  # transformers >= 5.2x name
+    if "past_key_values" not in params and "cache" in params:  # its name since transformers 5.24.0
         inputs["cache"] = inputs.pop("past_key_values")
     # output_* flags are read from **kwargs by transformers 5 models, not named parameters.
     via_kwargs = {"output_attentions", "output_hidden_states"} if "kwargs" in params else set()
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in params or k in via_kwargs)}
     if "use_cache" in params:
-        inputs["use_cache"] = bool(use_cache)
+        inputs["use_cache"] = bool(batch.get("use_cache"))
     return BackboneInputs(inputs, states_mask, tuple(ref.shape))
 
 
@@ -320,7 +322,7 @@ def _check_mask(attention_mask: Any, batch_seq: tuple[int, ...], past: int) -> N
 
 
 def cache_of(out: Any) -> Any:
-    """The KV cache of a backbone output: ``cache`` (transformers >= 5.2x; its deprecated alias
-    ``past_key_values`` warns) or ``past_key_values`` (earlier versions)."""
+    """The KV cache of a backbone output: ``cache`` (transformers >= 5.24.0; its deprecated
+    alias ``past_key_values`` warns) or ``past_key_values`` (transformers < 5.24.0)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)

@@ -229,7 +229,7 @@ def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set[int]) -> N
         return
     try:
         from transformers.utils import output_capturing as oc
-    except ImportError:  # older transformers: hidden_states without hooks
+    except ImportError:  # transformers < 5.2.0: hidden_states without hooks
         return
     registry = getattr(oc, "_CAN_RECORD_REGISTRY", None)
     install = getattr(oc, "maybe_install_capturing_hooks", None)

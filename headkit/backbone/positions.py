@@ -8,7 +8,7 @@ token gets. So, when the caller passes no ``position_ids``, they are derived fro
 * real tokens are numbered 0, 1, ... in mask order, skipping padding and gaps, for decoders
   (as ``generate`` does) and encoders alike; padded positions get their own index (encoders,
   so a right-padded batch gets exactly the model's default positions) or the last real
-  position (decoders, as before);
+  position (decoders, as ``generate`` does);
 * RoBERTa-style models (their embeddings build positions from ``padding_idx``) number real
   tokens from ``padding_idx + 1`` and give padding ``padding_idx``, as they do themselves;
 * a backbone whose ``forward`` takes no ``position_ids`` cannot be helped: a mask with a gap is

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..heads.base import Head
 
 if TYPE_CHECKING:
     from ..config import HeadConfig
@@ -39,17 +40,20 @@ def init_lm_head(
     task_model: nn.Module,
     frozen_backbone: bool,
 ) -> None:
-    """Start a one-layer ``lm_head`` causal-LM head from ``task_model``'s LM head.
+    """Start an ``lm_head`` causal-LM head from ``task_model``'s LM head.
 
-    A frozen one, on a frozen backbone that ties its LM head to its input embeddings, shares
-    that matrix (no copy); otherwise the head gets a copy (and the bias, or zeros).
+    Only a head that is nothing but its output projection (``Head.projection_only``: a
+    one-layer MLP head) of the LM head's shape starts there. A frozen one, on a frozen backbone
+    that ties its LM head to its input embeddings, shares that matrix (no copy); otherwise the
+    head gets a copy (and the bias, or zeros).
     """
     cfg = configs.get("lm_head")
-    if cfg is None or not cfg.is_causal_lm or cfg.num_layers != 1:
+    if cfg is None or not cfg.is_causal_lm:
         return
+    head = heads["lm_head"]
+    lin = head.output_projection() if isinstance(head, Head) and head.projection_only else None
     out = task_model.get_output_embeddings()
-    lin = heads["lm_head"].linears[0]
-    if not isinstance(out, nn.Linear) or out.weight.shape != lin.weight.shape:
+    if lin is None or not isinstance(out, nn.Linear) or out.weight.shape != lin.weight.shape:
         return
     emb = input_embedding_weight(backbone)
     same_dtype = lin.bias is None or lin.bias.dtype == out.weight.dtype

@@ -16,30 +16,8 @@ docs/checkpoints.md.
 
 import os  # noqa: F401  (tests patch headkit.checkpoint.os.replace to simulate crashes)
 
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
-from .restore import (
-    Checkpoint,
-    apply_checkpoint,
-    load_backbone_state,
-    load_head_weights,
-    read_checkpoint,
-    read_head_weights,
-    restore,
-)
-from .save import backbone_is_referable, save_checkpoint
+from .manifest import MANIFEST
+from .restore import load_head_weights, read_checkpoint, restore
+from .save import save_checkpoint
 
-__all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MANIFEST",
-    "Checkpoint",
-    "apply_checkpoint",
-    "backbone_is_referable",
-    "load_backbone_state",
-    "load_head_weights",
-    "read_checkpoint",
-    "read_head_weights",
-    "read_manifest",
-    "restore",
-    "save_checkpoint",
-]
+__all__ = ["MANIFEST", "load_head_weights", "read_checkpoint", "restore", "save_checkpoint"]

@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..backbone.adapters import base_state_dict
-from ..backbone.fingerprint import is_cheap, legacy_fingerprint, tensors_fingerprint
+from ..backbone.fingerprint import tensors_fingerprint
 from ..backbone.inspection import base_model_of
 from ..backbone.sources import (
     BackboneSource,
@@ -222,14 +222,12 @@ def _check_fingerprint(model: HeadedModel, recorded: Any) -> None:
     source = getattr(model, "source", None)
     if not isinstance(recorded, str) or not recorded or source is None:
         return
-    if not is_cheap(recorded):  # written by an older headkit: its O(parameters) fingerprint
-        current = legacy_fingerprint(model.backbone)
-    elif recorded.startswith("tensors:"):
+    if recorded.startswith("tensors:"):
         current = tensors_fingerprint(model.backbone)
-    elif str(source.fingerprint).startswith("files:"):
+    elif recorded.startswith("files:") and str(source.fingerprint).startswith("files:"):
         current = source.fingerprint
-    else:
-        return  # recorded from files this machine does not have: nothing to compare
+    else:  # from files this machine does not have, or of a kind this version does not know
+        return
     if current != recorded:
         warnings.warn(
             f"the backbone loaded from {source.source!r} differs from the one these heads were "

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from ..backbone.adapters import base_parameters, base_state_dict, has_adapters
 from ..backbone.tying import tied_head_weights
 from ..errors import CheckpointError, ConfigError
+from ..losses.weighting import savable_config
 from .adapters import quantization_entry, write_adapter
 from .journal import PendingSave, recover
 from .lock import folder_lock
@@ -77,6 +78,7 @@ def save_checkpoint(
     always safetensors (``safe_serialization=True``).
     """
     _check_options(safe_serialization, max_shard_size, unsupported)
+    weighting = savable_config(model.loss_weighting)  # before anything is written
     root = Path(save_directory)
     root.mkdir(parents=True, exist_ok=True)
     with folder_lock(root):
@@ -98,7 +100,7 @@ def save_checkpoint(
                 "weights": weights_name,
                 "weights_sha256": sha256_file(root / weights_name),
                 "backbone": entry,
-                "loss_weighting": model.loss_weighting.config(),
+                "loss_weighting": weighting,
                 "nonfinite_loss": model.nonfinite_loss,
             }
             if model.layers_path is not None:

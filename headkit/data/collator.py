@@ -22,16 +22,17 @@ import torch
 
 from ..backbone.inputs import TOKEN_INPUT_PADS as _TOKEN_INPUTS
 from ..errors import BatchError, ConfigError
-from ..losses.objective import IGNORE_INDEX, minus_100_is_ignored
+from ..losses.objective import IGNORE_INDEX, TargetRule, target_rules
 from ..model.labels import RENAMED_TO_LABELS, single_loss_target
 
 
 class HeadedCollator:
     """Collate feature dicts (``input_ids`` lists, optional ``attention_mask``, labels by target).
 
-    ``model`` (a HeadedModel) tells which targets are token-level; without it a label is
-    token-level when every example's label has as many entries as its ``input_ids`` (or list
-    them in ``token_targets``). The pad id is ``pad_token_id``, else the tokenizer's pad (or
+    ``model`` (a HeadedModel) tells which targets are token-level (its heads' label rule,
+    ``losses.objective.target_rules``); for targets it does not read, ``token_targets`` lists
+    token-level ones, and otherwise a label is token-level when every example's label has as
+    many entries as its ``input_ids``. The pad id is ``pad_token_id``, else the tokenizer's pad (or
     eos) id, else the model config's, else 0: its value never matters to headkit, which reads
     padding from ``attention_mask``. ``padding_side`` defaults to the tokenizer's, else "right".
     ``label_pad_value`` pads token-level labels (per target with a dict; default -100) and
@@ -79,11 +80,18 @@ class HeadedCollator:
                 f"HeadedCollator: token_targets={token_targets!r} is invalid; a list of target "
                 f"names (e.g. [{token_targets!r}]), not one string"
             )
-        self._heads = _heads_by_target(model)
-        configs = getattr(model, "head_configs", None) if model is not None else None
-        self._single_target = single_loss_target(configs) if configs else None
+        self._configs = _head_configs(model)
+        self._rules: dict[str, TargetRule] = target_rules(self._configs)  # the label rule
+        self._single_target = single_loss_target(self._configs) if self._configs else None
         self._token_targets = set(token_targets or ())
-        self._token_targets |= {t for t, cfgs in self._heads.items() if _is_token_level(cfgs)}
+        per_example = sorted(
+            t for t in self._token_targets if t in self._rules and self._rules[t].layout != "token"
+        )
+        if per_example:
+            raise ConfigError(
+                f"HeadedCollator: token_targets names {per_example}, which the model's heads read "
+                "as one label per example (pred_for_sequence=True); leave them out"
+            )
 
     # ------------------------------------------------------------------ public
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -139,11 +147,12 @@ class HeadedCollator:
         return batch
 
     def is_token_level(self, target: str, values: Sequence[Any], lengths: Sequence[int]) -> bool:
-        """Whether ``target`` holds one label per token (known from the model, else inferred)."""
+        """Whether ``target`` holds one label per token: the model's label rule says, else
+        ``token_targets``, else every example's label has one entry per token."""
+        if target in self._rules:
+            return self._rules[target].layout == "token"
         if target in self._token_targets:
             return True
-        if target in self._heads:
-            return False
         present = [(v, n) for v, n in zip(values, lengths) if v is not None]
         return all(_label_len(v) == n for v, n in present) and any(
             _label_len(v) is not None for v, _ in present
@@ -153,7 +162,7 @@ class HeadedCollator:
     def _target_of(self, key: str, keys: list[str]) -> str:
         """The head target a feature key holds: itself, or for a model with one head that
         has a loss, a ``label`` / ``label_ids`` / ``labels`` column is that head's label."""
-        if self.model is None or key in self._heads:
+        if self.model is None or key in self._rules:
             return key
         renamed = key in (*RENAMED_TO_LABELS, "labels")
         if renamed and self._single_target is not None:
@@ -172,7 +181,7 @@ class HeadedCollator:
         raise BatchError(
             f"HeadedCollator: feature key {key!r} is neither a model input "
             f"({', '.join(_TOKEN_INPUTS)}) nor a head target "
-            f"({', '.join(sorted(self._heads))}); remove that column from the data{hint}"
+            f"({', '.join(sorted(self._rules))}); remove that column from the data{hint}"
         )
 
     def _pad_value(self, target: str) -> float:
@@ -239,13 +248,15 @@ class HeadedCollator:
     def _check_fillable(self, target: str, index: int) -> None:
         """Missing labels become the pad value; refuse where the head's loss would count it."""
         pad = self._pad_value(target)
-        for cfg in self._heads.get(target, []):
-            if cfg.loss_fct is None or pad != IGNORE_INDEX:
-                continue
-            if not minus_100_is_ignored(cfg):
+        rule = self._rules.get(target)
+        if rule is None or pad != IGNORE_INDEX:
+            return
+        for name, head_rule in rule.heads.items():
+            if head_rule.ignore_index is None:
+                cfg = self._configs[name]
                 raise BatchError(
                     f"HeadedCollator: feature {index} has no {target!r} label, and head "
-                    f"{cfg.name!r} (loss_fct={cfg.loss_fct!r}) would train on the fill value "
+                    f"{name!r} (loss_fct={cfg.loss_fct!r}) would train on the fill value "
                     f"{IGNORE_INDEX}; give every example this label or use a loss that ignores "
                     "-100 (e.g. 'masked_mse')"
                 )
@@ -284,7 +295,7 @@ def _pick_pad_id(pad_token_id: int | None, tokenizer: Any, model: Any) -> int:
     return int(pid)
 
 
-def _heads_by_target(model: Any) -> dict[str, list]:
+def _head_configs(model: Any) -> dict[str, Any]:
     if model is None:
         return {}
     configs = getattr(model, "head_configs", None)
@@ -292,14 +303,7 @@ def _heads_by_target(model: Any) -> dict[str, list]:
         raise ConfigError(
             f"HeadedCollator: model={type(model).__name__} is invalid; a HeadedModel or None"
         )
-    out: dict[str, list] = {}
-    for cfg in configs.values():
-        out.setdefault(cfg.target, []).append(cfg)
-    return out
-
-
-def _is_token_level(cfgs: list) -> bool:
-    return any(not c.pred_for_sequence for c in cfgs)
+    return dict(configs)
 
 
 def _checked_pad_values(value: Any) -> Any:

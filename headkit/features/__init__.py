@@ -6,14 +6,13 @@ each head reads; ``CachedFeatures`` (``storage.py``) holds it in memory or on di
 heads on it with the same loss computation as ``HeadedModel.forward``.
 """
 
-from .caching import cache_features, check_frozen
+from .caching import cache_features
 from .storage import CachedFeatures
 from .train import predict_on_features, train_heads_on_features
 
 __all__ = [
     "CachedFeatures",
     "cache_features",
-    "check_frozen",
     "predict_on_features",
     "train_heads_on_features",
 ]

@@ -4,7 +4,7 @@
 deep as the deepest hooked layer) and keeps what each head reads:
 
 - ``"pooled"`` heads (sequence heads whose pooling has no trainable parameters): the pooled
-  vector ``MLPHead.features(hidden, mask, pooler)``, one (width,) row per sequence.
+  vector ``Head.features(hidden, mask)``, one (width,) row per sequence.
 - ``"tokens"`` heads (token heads, causal-LM heads, and sequence heads with a trainable
   pooling such as ``"attention"``): the hooked layer's states at the **non-padding positions
   only**, flattened to (num_tokens, hidden) with per-sequence ``offsets``. Batches are
@@ -34,8 +34,9 @@ from ..errors import BatchError, ConfigError
 from ..losses.objective import (
     IGNORE_INDEX,
     counted_positions,
+    label_rule,
     labels_as_tensor,
-    minus_100_is_ignored,
+    target_rules,
 )
 from ..model.headed import HeadedModel
 from ..model.labels import keep_model_columns, route_labels
@@ -237,16 +238,9 @@ def _plan_heads(model: HeadedModel) -> dict[str, dict[str, Any]]:
 
 
 def _label_layouts(model: HeadedModel) -> dict[str, str]:
-    """Each target's layout: "sequence" (one label row per sequence) or "token"."""
-    layouts: dict[str, str] = {}
-    for cfg in model.head_configs.values():
-        layout = "sequence" if cfg.pred_for_sequence else "token"
-        if layouts.setdefault(cfg.target, layout) != layout:
-            raise ConfigError(
-                f"target {cfg.target!r} is read by both sequence and token heads; its labels "
-                "cannot be cached in one layout (give the heads different targets)"
-            )
-    return layouts
+    """Each target's layout (the label rule): "sequence" (one label row per sequence) or
+    "token" (one per position)."""
+    return {t: rule.layout for t, rule in target_rules(model.head_configs).items()}
 
 
 def _split_batch(model: HeadedModel, batch: Any) -> tuple[Any, dict[str, Any]]:
@@ -271,7 +265,7 @@ def _split_batch(model: HeadedModel, batch: Any) -> tuple[Any, dict[str, Any]]:
         for k, v in batch.items()
         if k in BATCH_INPUTS and v is not None
     }
-    inputs = prepare_inputs(model.backbone, model.info, **given, check=model.check_inputs)
+    inputs = prepare_inputs(model.backbone, model.info, given, check=model.check_inputs)
     given = {k: v for k, v in batch.items() if k not in BATCH_INPUTS}
     labels = {k: v for k, v in route_labels(model.head_configs, given).items() if v is not None}
     return inputs, labels
@@ -291,14 +285,15 @@ def _check_padding_unused(
     if not bool(pad.any()):
         return
     for name, cfg in model.head_configs.items():
-        if cfg.target != target or cfg.loss_fct is None or cfg.pred_for_sequence:
+        rule = label_rule(cfg)
+        if cfg.target != target or cfg.loss_fct is None or rule.layout != "token":
             continue
         # The loss's own rule, applied to the padding pattern: where predictions and labels
         # meet (shifted for causal-LM heads) and which positions count.
         pred_pad, label_pad, counts = counted_positions(cfg, pad.unsqueeze(-1), pad, real)
         _, y, _ = counted_positions(cfg, pad.unsqueeze(-1), labels, real)
-        if minus_100_is_ignored(cfg):
-            kept = y != IGNORE_INDEX
+        if rule.ignore_index is not None:
+            kept = y != rule.ignore_index
             counts = counts & (kept.any(-1) if kept.dim() > 2 else kept)
         if bool((counts & (pred_pad.squeeze(-1) | label_pad)).any()):
             raise BatchError(

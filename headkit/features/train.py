@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
-from ..losses.objective import head_loss
+from ..losses.objective import head_loss, label_rule
 from ..model.headed import HeadedModel
 from .caching import _backbone_meta, _plan_heads, check_frozen
 from .storage import CachedFeatures
@@ -168,7 +168,7 @@ def _training_plan(model: HeadedModel, features: CachedFeatures) -> dict[str, An
     plan = {}
     for name in names:
         cfg = model.head_configs[name]
-        if not cfg.pred_for_sequence:
+        if label_rule(cfg).layout == "token":
             # Rebuilt batches pad on the right, and caching checked that padding never counted
             # in this head's loss: ignoring padding gives the same loss as the original batches.
             cfg = cfg.replace(ignore_pads=True)
@@ -183,7 +183,7 @@ def _head_preds(
     x = batch["features"][info["features"]]
     if info["layout"] == "pooled" or not info["pred_for_sequence"]:
         return head.from_features(x)
-    return head(x, batch["mask"], model.info.pooler)  # trainable pooling runs on token states
+    return head(x, batch["mask"])  # trainable pooling runs on token states
 
 
 def _batch_loss(

@@ -2,18 +2,8 @@
 activations (``ACTIVATIONS``)."""
 
 from .activations import ACTIVATIONS
-from .base import HEADS, Head, HeadDict, build_head
+from .base import HEADS, Head
 from .mlp import MLPHead
-from .pooling import POOLINGS, PoolingStrategy, SequencePooling
+from .pooling import POOLINGS, PoolingStrategy
 
-__all__ = [
-    "ACTIVATIONS",
-    "HEADS",
-    "POOLINGS",
-    "Head",
-    "HeadDict",
-    "MLPHead",
-    "PoolingStrategy",
-    "SequencePooling",
-    "build_head",
-]
+__all__ = ["ACTIVATIONS", "HEADS", "POOLINGS", "Head", "MLPHead", "PoolingStrategy"]

@@ -6,6 +6,18 @@ A head kind is a ``Head`` subclass registered by name (``HeadConfig.head_type``,
 its input); ``Head`` provides the pooling of sequence heads, so a new kind only says what it
 does with a (batch, width) or (batch, seq, in_size) input. Its parameters and buffers are
 saved with the checkpoint like any module's.
+
+What the rest of headkit needs to know of a head it asks the head, never its attributes:
+
+- ``output_projection()``: the Linear producing the outputs. Resizing the vocabulary resizes
+  it (``replace_output_projection``); a head that is nothing but it (``projection_only``) and
+  is named ``lm_head`` starts from the task model's LM head, and a frozen one shares the
+  input embeddings (``backbone/tying.py``).
+- ``dense_layers()``: the head as a chain of Linear layers and activations (exports).
+- ``parameter_count(config)`` and ``tensor_count(config)`` (class methods): its size from the
+  config alone, so the size guards refuse a head before anything is allocated.
+
+Each has a default that says "not known", so a new kind needs none of them.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..registry import Registry
-from .pooling import SequencePooling
+from .pooling import SequencePooling, pooled_width, pooling_parameter_count
 
 if TYPE_CHECKING:
     from ..config import HeadConfig
@@ -65,36 +77,85 @@ class Head(nn.Module):
             return None
         return (self.config.pooling, self.config.block_gradients)
 
-    def features(
-        self,
-        hidden: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        pooler: nn.Module | None = None,
-    ) -> torch.Tensor:
+    def features(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The head's input: pooled (batch, width) or per-token (batch, seq, in_size)."""
         if self.config.block_gradients:
             hidden = hidden.detach()
         if self.pooling is not None:
-            hidden = self.pooling(hidden, mask, pooler)
+            hidden = self.pooling(hidden, mask)
         return hidden
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        pooler: nn.Module | None = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (batch, seq, in_size) → (batch, num_outputs) or (batch, seq, num_outputs)."""
         if hidden.shape[-1] != self.config.in_size:
             raise ConfigError(
                 f"head {self.name!r}: hooked states have width {hidden.shape[-1]} but "
                 f"in_size={self.config.in_size}"
             )
-        return self.from_features(self.features(hidden, mask, pooler))
+        return self.from_features(self.features(hidden, mask))
 
     def from_features(self, features: torch.Tensor) -> torch.Tensor:
         """What the head computes on its (pooled) input."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ hooks
+    def output_projection(self) -> nn.Linear | None:
+        """The Linear producing the outputs (``out_features == num_outputs``), or None."""
+        return None
+
+    def replace_output_projection(self, linear: nn.Linear) -> None:
+        """Put ``linear`` where ``output_projection()`` is (a resized vocabulary)."""
+        old = self.output_projection()
+        for module in self.modules() if old is not None else ():
+            for name, child in module.named_children():
+                if child is old:
+                    setattr(module, name, linear)
+                    return
+        raise ConfigError(
+            f"head {self.name!r} ({type(self).__name__}) has no output projection among its "
+            "submodules to replace"
+        )
+
+    @property
+    def projection_only(self) -> bool:
+        """Whether the head learns nothing but its output projection (a one-layer MLP head):
+        its outputs are that Linear of its features, up to a parameter-free activation."""
+        proj = self.output_projection()
+        if proj is None:
+            return False
+        own = {id(p) for p in proj.parameters()}
+        return all(id(p) in own for p in self.parameters())
+
+    def dense_layers(self) -> list[tuple[nn.Linear, str]] | None:
+        """The head as Linear layers, each with the name of the activation after it (an
+        ``ACTIVATIONS`` name), applied in order to its features; None when it is not one."""
+        return None
+
+    @classmethod
+    def parameter_count(cls, config: HeadConfig, pooler_size: int | None = None) -> int | None:
+        """Parameters of this kind built from ``config`` (resolved sizes), counted without
+        building it; None when the kind cannot tell (the guard then builds it on the meta
+        device). ``pooler_size``: the width of the backbone's pooler."""
+        return None
+
+    @classmethod
+    def tensor_count(cls, config: HeadConfig) -> int | None:
+        """At least how many tensors a checkpoint of this kind holds (None: unknown)."""
+        return None
+
+    @staticmethod
+    def pooled_width(config: HeadConfig, pooler_size: int | None = None) -> int:
+        """``in_features`` of a head built from ``config``, without building it."""
+        if not config.pred_for_sequence:
+            return config.in_size
+        return pooled_width(config.pooling_strategies or ["first"], config.in_size, pooler_size)
+
+    @staticmethod
+    def pooling_parameter_count(config: HeadConfig) -> int:
+        """Parameters the pooling of a head built from ``config`` learns (0 for token heads)."""
+        if not config.pred_for_sequence:
+            return 0
+        return pooling_parameter_count(config.pooling_strategies or ["first"], config.in_size)
 
 
 def build_head(
@@ -106,7 +167,8 @@ def build_head(
     """Build the head kind named by ``config.head_type`` (``HEADS`` registry).
 
     With ``max_parameters``, a head that would hold more parameters is refused with a
-    ConfigError before anything is allocated (it is first built on the meta device).
+    ConfigError before anything is allocated (its kind counts them from the config, or it
+    is first built on the meta device).
     """
     cls = HEADS.get(config.head_type)
     if max_parameters is not None:
@@ -133,15 +195,14 @@ def _check_head_size(
             "HeadedModel(..., max_head_parameters=...)"
         )
 
-    largest = max((v or 0) for v in sizes.values())
-    if largest > limit:  # one Linear alone would be too big: do not even describe it
-        raise refuse(f"at least {largest:,}")
-    try:
-        with torch.device("meta"):
-            probe = cls(config, pooler_size=pooler_size, pooler=pooler)
-    except (RuntimeError, OverflowError) as e:  # sizes torch cannot even describe
-        raise refuse(f"too many ({e})") from None
-    count = sum(p.numel() for p in probe.parameters())
+    count = cls.parameter_count(config, pooler_size)
+    if count is None:  # a kind that cannot count itself: build it where nothing is allocated
+        try:
+            with torch.device("meta"):
+                probe = cls(config, pooler_size=pooler_size, pooler=pooler)
+        except (RuntimeError, OverflowError) as e:  # sizes torch cannot even describe
+            raise refuse(f"too many ({e})") from None
+        count = sum(p.numel() for p in probe.parameters())
     if count > limit:
         raise refuse(f"{count:,}")
 

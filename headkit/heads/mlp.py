@@ -51,18 +51,42 @@ class MLPHead(Head):
         """The head's Linear layers, in order."""
         return [m for m in self.mlp if isinstance(m, nn.Linear)]
 
-    def features(
-        self,
-        hidden: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        pooler: nn.Module | None = None,
-    ) -> torch.Tensor:
+    def features(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The head's input in the head's dtype: pooled (batch, width) or (batch, seq, in)."""
-        return super().features(hidden, mask, pooler).to(self.linears[0].weight.dtype)
+        return super().features(hidden, mask).to(self.linears[0].weight.dtype)
 
     def from_features(self, features: torch.Tensor) -> torch.Tensor:
         """Apply the MLP and output activation to precomputed ``features``."""
         return self.output_activation(self.mlp(features.to(self.linears[0].weight.dtype)))
+
+    # ------------------------------------------------------------------ hooks (see base.py)
+    def output_projection(self) -> nn.Linear:
+        """The last Linear."""
+        return self.linears[-1]
+
+    def dense_layers(self) -> list[tuple[nn.Linear, str]]:
+        """Each Linear with ``hidden_activation`` after it, the last with ``output_activation``
+        (dropout is left out, as at inference)."""
+        c = self.config
+        linears = self.linears
+        acts = [c.hidden_activation] * (len(linears) - 1) + [c.output_activation]
+        return list(zip(linears, acts))
+
+    @classmethod
+    def parameter_count(cls, config: HeadConfig, pooler_size: int | None = None) -> int:
+        w, n = cls.pooled_width(config, pooler_size), config.num_layers
+        h, o = config.hidden_size, config.num_outputs
+        last = o if config.output_bias else 0  # the last Linear's bias
+        if n == 1:
+            linears = w * o + last
+        else:  # w → h, (n - 2) × h → h, h → o; every Linear but the last has a bias
+            linears = (w + 1) * h + (n - 2) * (h + 1) * h + h * o + last
+        return cls.pooling_parameter_count(config) + linears
+
+    @classmethod
+    def tensor_count(cls, config: HeadConfig) -> int:
+        """One weight per Linear."""
+        return config.num_layers
 
     def extra_repr(self) -> str:
         c = self.config

@@ -102,10 +102,13 @@ def _gather(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class PoolingStrategy(nn.Module):
-    """One way to pool. ``forward(hidden, mask, pooler)`` → (batch, out_size).
+    """One way to pool. ``forward(hidden, mask)`` → (batch, out_size).
 
     Register a new one with ``@POOLINGS.register("name")`` on a subclass; it is built as
-    ``cls(hidden_size)`` and gets a boolean-castable mask of shape (batch, seq).
+    ``cls(hidden_size)`` and gets a boolean-castable mask of shape (batch, seq). A strategy
+    that reads the backbone's pooler sets ``needs_pooler = True`` and is built as
+    ``cls(hidden_size, pooler, pooler_size)`` instead. ``width`` says how wide its output is
+    (``out_size`` of a built one), so a head's size is known before anything is built.
     """
 
     needs_pooler = False
@@ -114,9 +117,19 @@ class PoolingStrategy(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
 
+    @classmethod
+    def width(cls, hidden_size: int, pooler_size: int | None = None) -> int:
+        """Output width on ``hidden_size``-wide states (``pooler_size``: the backbone pooler's)."""
+        return hidden_size
+
+    @classmethod
+    def parameter_count(cls, hidden_size: int) -> int:
+        """Parameters the strategy learns on ``hidden_size``-wide states (0: none)."""
+        return 0
+
     @property
     def out_size(self) -> int:
-        return self.hidden_size
+        return self.width(self.hidden_size)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}"
@@ -126,9 +139,7 @@ class PoolingStrategy(nn.Module):
 class LastToken(PoolingStrategy):
     """The last non-padding token: under causal attention the only one that saw everything."""
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return _gather(hidden, last_token_index(mask))
 
 
@@ -136,21 +147,42 @@ class LastToken(PoolingStrategy):
 class FirstToken(PoolingStrategy):
     """The first non-padding token ([CLS] for BERT-style encoders)."""
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return _gather(hidden, first_token_index(mask))
 
 
 @POOLINGS.register("pooler")
 class BackbonePooler(PoolingStrategy):
-    """The backbone's own pooler (BERT: dense + tanh over [CLS]) applied to the hooked layer."""
+    """The backbone's own pooler (BERT: dense + tanh over [CLS]) applied to the hooked layer.
+
+    The pooler is bound here, where it is used, without becoming a submodule: it belongs to
+    the backbone, so it is neither saved with the head nor moved by it.
+    """
 
     needs_pooler = True
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
+    def __init__(
+        self, hidden_size: int, pooler: nn.Module | None = None, pooler_size: int | None = None
+    ) -> None:
+        super().__init__(hidden_size)
+        self._bound = (pooler,)  # a tuple: nn.Module does not register it as a submodule
+        self.pooler_size = pooler_size
+
+    @property
+    def pooler(self) -> nn.Module | None:
+        """The backbone's pooler bound at construction (None when there is none)."""
+        return self._bound[0]
+
+    @classmethod
+    def width(cls, hidden_size: int, pooler_size: int | None = None) -> int:
+        return pooler_size or hidden_size
+
+    @property
+    def out_size(self) -> int:
+        return self.width(self.hidden_size, self.pooler_size)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        pooler = self.pooler
         if pooler is None:
             raise ConfigError(
                 "pooling='pooler' needs a backbone with a pooler module (BERT-style); "
@@ -171,9 +203,7 @@ def _real_count(mask: torch.Tensor) -> torch.Tensor:
 class MeanPooling(PoolingStrategy):
     """Mean over non-padding tokens (sentence-transformers' default); float32 for half inputs."""
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return _masked_weighted_mean(hidden, mask.bool(), _real_count(mask))
 
 
@@ -182,9 +212,7 @@ class MeanSqrtLenPooling(PoolingStrategy):
     """Sum over non-padding tokens divided by sqrt(length) (sentence-transformers' name);
     float32 for half inputs (the result may exceed the half range: 4,096 tokens of 2,000)."""
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         count = _real_count(mask).to(_accumulator(hidden.dtype))
         return _masked_weighted_mean(hidden, mask.bool(), count.sqrt())
 
@@ -196,9 +224,7 @@ class MaxPooling(PoolingStrategy):
     A dimension whose real tokens are all -inf gives -inf, whether or not the row has padding.
     """
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keep = _keep(mask)
         # -inf, not finfo.min: a dimension whose real tokens are all -inf is -inf, padded or not
         lowest = torch.full((), -math.inf, dtype=hidden.dtype, device=hidden.device)
@@ -215,9 +241,7 @@ class WeightedMeanPooling(PoolingStrategy):
     float32 for half inputs.
     """
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         m = mask.long()
         weights = m.cumsum(-1) * m  # (batch, seq): 1..n on real tokens, 0 on padding
         norm = weights.sum(1, keepdim=True).clamp(min=1)
@@ -237,9 +261,11 @@ class AttentionPooling(PoolingStrategy):
         nn.init.normal_(self.score.weight, std=1.0 / math.sqrt(hidden_size))
         nn.init.zeros_(self.score.bias)
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
+    @classmethod
+    def parameter_count(cls, hidden_size: int) -> int:
+        return hidden_size + 1  # score: Linear(hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keep = mask.bool()
         h = hidden.to(self.score.weight.dtype)
         h = torch.where(keep.unsqueeze(-1), h, torch.zeros((), dtype=h.dtype, device=h.device))
@@ -252,10 +278,8 @@ class AttentionPooling(PoolingStrategy):
 class SequencePooling(nn.Module):
     """Concatenation of one or more strategies; ``out_size`` is the sum of their widths.
 
-    ``pooler_size`` is the output width of the backbone's pooler ("pooler" strategy) and
-    ``pooler`` the module itself: it is bound here, where it is used, without becoming a
-    submodule (it belongs to the backbone: it is neither saved with the head nor moved by it).
-    Only strategies that need it receive it.
+    ``pooler`` is the backbone's pooler module and ``pooler_size`` its output width: only the
+    strategies that read it (``needs_pooler``, the "pooler" strategy) receive them.
     """
 
     def __init__(
@@ -267,23 +291,21 @@ class SequencePooling(nn.Module):
     ) -> None:
         super().__init__()
         self.names = list(strategies)
-        self.strategies = nn.ModuleDict({n: POOLINGS.get(n)(hidden_size) for n in self.names})
+        self.strategies = nn.ModuleDict(
+            {n: _build_strategy(n, hidden_size, pooler, pooler_size) for n in self.names}
+        )
         self.hidden_size = hidden_size
-        self.pooler_size = pooler_size
-        self._bound = (pooler,)  # a tuple: nn.Module does not register it as a submodule
 
     @property
     def pooler(self) -> nn.Module | None:
-        """The backbone's pooler bound at construction (None when there is none)."""
-        return self._bound[0]
+        """The backbone's pooler bound at construction (None when no strategy reads one)."""
+        bound = [getattr(s, "pooler", None) for s in self.strategies.values() if s.needs_pooler]
+        return next((p for p in bound if p is not None), None)
 
     @property
     def widths(self) -> dict[str, int]:
         """Width of each strategy's slice of the output, in order of concatenation."""
-        return {
-            n: (self.pooler_size or self.hidden_size) if s.needs_pooler else s.out_size
-            for n, s in self.strategies.items()
-        }
+        return {n: s.out_size for n, s in self.strategies.items()}
 
     @property
     def out_size(self) -> int:
@@ -298,12 +320,8 @@ class SequencePooling(nn.Module):
         """Whether any strategy learns (then its output cannot be shared between heads)."""
         return any(True for _ in self.strategies.parameters())
 
-    def forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None, pooler: nn.Module | None = None
-    ) -> torch.Tensor:
-        """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count.
-
-        ``pooler`` overrides the bound one (for pooling outside a HeadedModel)."""
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count."""
         if hidden.dim() != 3:
             raise BatchError(
                 f"pooling needs hidden states of shape (batch, seq, hidden), got "
@@ -317,11 +335,7 @@ class SequencePooling(nn.Module):
                 f"{tuple(hidden.shape[:2])} (batch, seq)"
             )
         mask = mask.to(hidden.device)
-        pooler = pooler if pooler is not None else self.pooler
-        parts = [
-            s(hidden, mask, pooler) if s.needs_pooler else s(hidden, mask)
-            for s in self.strategies.values()
-        ]
+        parts = [s(hidden, mask) for s in self.strategies.values()]
         if len(parts) == 1:
             return parts[0]
         dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
@@ -333,3 +347,20 @@ class SequencePooling(nn.Module):
 
     def extra_repr(self) -> str:
         return f"strategies={'+'.join(self.names)}, out_size={self.out_size}"
+
+
+def _build_strategy(
+    name: str, hidden_size: int, pooler: nn.Module | None, pooler_size: int | None
+) -> PoolingStrategy:
+    cls = POOLINGS.get(name)
+    return cls(hidden_size, pooler, pooler_size) if cls.needs_pooler else cls(hidden_size)
+
+
+def pooled_width(strategies: list[str], hidden_size: int, pooler_size: int | None = None) -> int:
+    """``SequencePooling(strategies, hidden_size, pooler_size).out_size``, without building it."""
+    return sum(POOLINGS.get(n).width(hidden_size, pooler_size) for n in strategies)
+
+
+def pooling_parameter_count(strategies: list[str], hidden_size: int) -> int:
+    """Parameters ``SequencePooling(strategies, hidden_size)`` learns, without building it."""
+    return sum(POOLINGS.get(n).parameter_count(hidden_size) for n in strategies)

@@ -162,7 +162,7 @@ def enable_gradient_checkpointing(model: HeadedModel) -> None:
     LoRA weights in the deepest hooked block even when the forward stops there)."""
     backbone = model.backbone
     kwargs = {"use_reentrant": False}
-    if hasattr(backbone, "activation_checkpointing_enable"):  # its name since transformers 5.x
+    if hasattr(backbone, "activation_checkpointing_enable"):  # its name since transformers 5.23.0
         backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..heads.activations import build_activation
+from ..heads.base import Head
 
 #: headkit pooling → sentence-transformers ``Pooling(pooling_mode=...)``.
 ST_POOLING = {
@@ -39,11 +40,12 @@ def to_sentence_transformer(
     """A ``SentenceTransformer`` whose ``encode`` returns ``model``'s predictions of ``head``.
 
     Transformer (a copy of the backbone and ``tokenizer``) → Pooling (the head's pooling) →
-    one Dense per Linear of the head (the hidden activation between, the output activation
-    after the last; dropout is left out, as at inference). Raises ConfigError for a head it
-    cannot express: a token head, a head on another layer than the last, a pooling that
-    sentence-transformers lacks (pooler, attention, concatenations), or an activation that
-    is not a plain ``torch.nn`` module.
+    one Dense per Linear of the head (``Head.dense_layers``: for an MLP head the hidden
+    activation between, the output activation after the last; dropout is left out, as at
+    inference). Raises ConfigError for a head it cannot express: a token head, a head on
+    another layer than the last, a pooling that sentence-transformers lacks (pooler,
+    attention, concatenations), a head kind that is no chain of Linear layers, or an
+    activation that is not a plain ``torch.nn`` module.
     """
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Dense, Transformer
@@ -92,12 +94,14 @@ def _exportable(model: Any, head: str) -> tuple[Any, str, list[tuple[nn.Linear, 
             f"{where} pools with {cfg.pooling!r}; sentence-transformers has "
             f"{', '.join(sorted(ST_POOLING))} (one strategy)"
         )
-    mlp = model.heads[head]
-    linears = getattr(mlp, "linears", None)
-    if not linears:
-        raise ConfigError(f"{where} is a {type(mlp).__name__}; only MLP heads can be exported")
-    acts = [cfg.hidden_activation] * (len(linears) - 1) + [cfg.output_activation]
-    layers = [(lin, _plain(a, where)) for lin, a in zip(linears, acts)]
+    module = model.heads[head]
+    dense = module.dense_layers() if isinstance(module, Head) else None
+    if not dense:
+        raise ConfigError(
+            f"{where} is a {type(module).__name__}, which is not a chain of Linear layers "
+            "(Head.dense_layers() gives none); only such heads (e.g. 'mlp') can be exported"
+        )
+    layers = [(lin, _plain(act, where)) for lin, act in dense]
     return cfg, ST_POOLING[strategies[0]], layers
 
 

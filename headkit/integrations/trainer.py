@@ -53,7 +53,7 @@ from transformers import Trainer, TrainerCallback
 from ..checkpoint import MANIFEST, restore
 from ..data.collator import HeadedCollator
 from ..errors import ConfigError
-from ..losses.objective import IGNORE_INDEX, takes_class_indices
+from ..losses.objective import IGNORE_INDEX, label_rule
 from ..model.labels import loss_heads, route_labels, without_unused_labels
 from ..model.parallel import drop_idle_gradients, join_idle
 
@@ -255,9 +255,7 @@ def _fill_missing_labels(
     for name, cfg in heads.items():
         if cfg.target in out:
             continue
-        p = preds[name]
-        classes = takes_class_indices(cfg)
-        shape = p.shape[:-1] if classes or p.shape[-1] == 1 else p.shape
-        dtype = torch.long if classes else torch.float32
-        out[cfg.target] = torch.full(tuple(shape), IGNORE_INDEX, dtype=dtype, device=p.device)
+        p, rule = preds[name], label_rule(cfg)
+        shape = p.shape[:-1] if rule.classes or p.shape[-1] == 1 else p.shape
+        out[cfg.target] = torch.full(tuple(shape), IGNORE_INDEX, dtype=rule.dtype, device=p.device)
     return out

@@ -7,6 +7,12 @@ decision threshold. Validation (``HeadConfig``), the loss (``head_loss``), the m
 collator and feature caching all ask the spec, so a loss registered by a user behaves like a
 built-in one. Names are looked up case-insensitively (``LOSSES.get``), once.
 
+How a head reads its labels is one rule (``label_rule``, from the spec and the head's task
+and layout): one label per example or per position, class indices or values, whether -100
+is skipped, their dtype. The collator, feature caching, ``head_loss`` and the metrics all ask
+it, and ``target_rules`` refuses, when the model is built, a target that one head would read
+per example and another per position.
+
 Which positions count is one rule (``counted_positions``): padding does not count for token
 heads with ``ignore_pads``, and a causal-LM head's prediction at t is scored against the label
 at t + 1. The label value -100 marks a position to ignore: losses that can ignore it
@@ -17,14 +23,14 @@ rather than train towards -100 (use ``masked_mse``). Metrics skip it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import BatchError
+from ..errors import BatchError, ConfigError
 from ..registry import Registry
 
 if TYPE_CHECKING:
@@ -39,11 +45,14 @@ class LossSpec:
 
     ``classes=True``: preds (N, C) logits, labels (N,) integer class indices.
     ``classes=False``: preds (N, n), labels (N, n) floats (a (N,) label is read as (N, 1)).
-    ``ignores_minus_100``: label elements equal to -100 contribute nothing (otherwise -100 at
-    a position that counts is refused). ``target_range``: allowed label values, inclusive.
-    ``needs_probabilities``: predictions must be in [0, 1] (the head's output activation must
-    give them). ``metric``: "classification", "binary" or "regression" (which metrics fit;
-    default from ``classes``). ``threshold``: the decision threshold of binary predictions.
+    ``ignores_minus_100``: label values equal to -100 contribute nothing (otherwise -100 at
+    a position that counts is refused; class indices always skip it, no class being
+    negative: the ``fn`` of a class loss gets -100 where nothing counts).
+    ``target_range``: allowed label values, inclusive. ``needs_probabilities``: predictions
+    must be in [0, 1] (the head's output activation must give them). ``metric``: which
+    metrics fit: "classification" (class indices, the default with ``classes``), else
+    "regression" (the default) or "binary". ``threshold``: the decision threshold of binary
+    predictions.
     """
 
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -58,9 +67,15 @@ class LossSpec:
         if self.metric is None:
             object.__setattr__(self, "metric", "classification" if self.classes else "regression")
         if self.metric not in ("classification", "binary", "regression"):
-            raise ValueError(
+            raise ConfigError(
                 f"LossSpec: metric={self.metric!r} is invalid; 'classification', 'binary' or "
                 "'regression'"
+            )
+        if (self.metric == "classification") != self.classes:
+            allowed = "'classification'" if self.classes else "'binary' or 'regression'"
+            raise ConfigError(
+                f"LossSpec: metric={self.metric!r} does not fit classes={self.classes} (labels "
+                f"{'are' if self.classes else 'are not'} class indices); allowed: {allowed}"
             )
         if self.metric == "binary" and self.threshold is None:
             object.__setattr__(self, "threshold", 0.5 if self.needs_probabilities else 0.0)
@@ -102,25 +117,6 @@ LOSSES.register(
 )
 
 
-class _LossNames:
-    """A live set of the registered loss names with one property (any case)."""
-
-    def __init__(self, prop: Callable[[LossSpec], bool]) -> None:
-        self._prop = prop
-
-    def __contains__(self, name: object) -> bool:
-        return name in LOSSES and self._prop(LOSSES.get(name))  # type: ignore[arg-type]
-
-    def __iter__(self):
-        return iter([n for n in LOSSES.names() if self._prop(LOSSES.get(n))])
-
-
-#: Losses that take class indices (registered ones included); they cannot train a regression head.
-CLASSIFICATION_LOSSES = _LossNames(lambda s: s.classes)
-#: Losses that need probabilities in [0, 1] (the head's output_activation must give them).
-PROBABILITY_LOSSES = _LossNames(lambda s: s.needs_probabilities)
-
-
 def loss_spec(cfg: HeadConfig) -> LossSpec | None:
     """The head's LossSpec, or None for a head without a loss."""
     return None if cfg.loss_fct is None else LOSSES.get(cfg.loss_fct)
@@ -136,22 +132,92 @@ def task_of(cfg: HeadConfig) -> str:
     return spec.metric if spec is not None else "classification"  # type: ignore[return-value]
 
 
-def takes_class_indices(cfg: HeadConfig) -> bool:
-    """Whether the head's labels are class indices (one integer per position)."""
-    spec = loss_spec(cfg)
-    if spec is not None:
-        return spec.classes
-    return task_of(cfg) in ("classification", "lm")
-
-
-def minus_100_is_ignored(cfg: HeadConfig) -> bool:
-    """Whether a -100 label is skipped by the head's loss (a loss-free head: always)."""
-    spec = loss_spec(cfg)
-    return spec is None or spec.ignores_minus_100
-
-
 def _where(cfg: HeadConfig) -> str:
     return f"head {cfg.name!r} (target {cfg.target!r})"
+
+
+# ---------------------------------------------------------------------- the label rule
+@dataclass(frozen=True)
+class LabelRule:
+    """How one head reads its labels; every label reader asks ``label_rule``.
+
+    ``layout``: "sequence" (one label, or row of ``num_outputs`` values, per example) or
+    "token" (one per position). ``shift``: a causal-LM head's prediction at t meets the label
+    at t + 1. ``classes``: integer class indices, else ``num_outputs`` values per label.
+    ``ignore_index``: -100 when a label of that value is skipped, None when -100 would be a
+    real value (the loss refuses it). ``dtype``: what labels become before the loss
+    (``torch.long`` for class indices, ``torch.float32`` for values). ``task``: the metric
+    family ("classification", "binary", "regression", "lm"). ``skips_padding``: positions
+    the attention mask marks as padding do not count (token layouts with ``ignore_pads``).
+    """
+
+    layout: str
+    shift: bool
+    classes: bool
+    ignore_index: int | None
+    dtype: torch.dtype
+    task: str
+    skips_padding: bool
+
+
+def label_rule(cfg: HeadConfig) -> LabelRule:
+    """The head's ``LabelRule``, from its ``LossSpec`` (``cfg.spec``) and ``task``/``layout``.
+
+    A head without a loss reads class indices unless it is a regression head. -100 is skipped
+    by class indices (no class is negative), by losses whose spec ``ignores_minus_100`` and by
+    heads without a loss (their labels only serve metrics).
+    """
+    spec = loss_spec(cfg)
+    task = task_of(cfg)
+    classes = spec.classes if spec is not None else task in ("classification", "lm")
+    skips = spec is None or spec.ignores_minus_100 or classes
+    sequence = cfg.layout == "sequence"
+    return LabelRule(
+        layout="sequence" if sequence else "token",
+        shift=cfg.layout == "causal_lm",
+        classes=classes,
+        ignore_index=IGNORE_INDEX if skips else None,
+        dtype=torch.long if classes else torch.float32,
+        task=task,
+        skips_padding=not sequence and bool(cfg.ignore_pads),
+    )
+
+
+@dataclass(frozen=True)
+class TargetRule:
+    """How the labels of one target are read: their ``layout`` (the same for every head that
+    reads them) and each reading head's ``LabelRule`` by head name."""
+
+    layout: str
+    heads: dict[str, LabelRule]
+
+    @property
+    def ignores_minus_100(self) -> bool:
+        """Whether every head reading the target skips -100 (so -100 may fill a gap)."""
+        return all(r.ignore_index is not None for r in self.heads.values())
+
+
+def target_rules(
+    head_configs: Mapping[str, HeadConfig] | Iterable[HeadConfig],
+) -> dict[str, TargetRule]:
+    """Each target's ``TargetRule``; a ConfigError naming both heads when one target would be
+    read as one label per example by one head and one label per position by another."""
+    configs = head_configs.values() if isinstance(head_configs, Mapping) else head_configs
+    first: dict[str, HeadConfig] = {}
+    rules: dict[str, dict[str, LabelRule]] = {}
+    for cfg in configs:
+        rule = label_rule(cfg)
+        seen = first.setdefault(cfg.target, cfg)
+        if seen is not cfg and label_rule(seen).layout != rule.layout:
+            a, b = (seen, cfg) if seen.pred_for_sequence else (cfg, seen)
+            raise ConfigError(
+                f"target {cfg.target!r} is read by sequence head {a.name!r} (one label per "
+                f"example) and by token head {b.name!r} (one label per position); one target "
+                "has one layout: give one of the heads another target (HeadConfig(..., "
+                "target=...))"
+            )
+        rules.setdefault(cfg.target, {})[cfg.name] = rule
+    return {t: TargetRule(label_rule(first[t]).layout, r) for t, r in rules.items()}
 
 
 # ---------------------------------------------------------------------- positions
@@ -169,20 +235,20 @@ def fit_labels(cfg: HeadConfig, preds: torch.Tensor, labels: torch.Tensor) -> to
             f"{batch}"
         )
     lead = tuple(preds.shape[:-1])  # (batch,) or (batch, seq)
-    classes = takes_class_indices(cfg)
+    rule = label_rule(cfg)
+    classes, sequence = rule.classes, rule.layout == "sequence"
     expected = [lead] if classes else [lead + (n_out,)] + ([lead] if n_out == 1 else [])
     if tuple(labels.shape) not in expected:
         hint = ""
-        if cfg.pred_for_sequence and labels.dim() >= 2 and labels.shape[1] != n_out:
+        if sequence and labels.dim() >= 2 and labels.shape[1] != n_out:
             hint = " (token-level labels given to a sequence head?)"
-        elif not cfg.pred_for_sequence and labels.dim() == 1:
+        elif not sequence and labels.dim() == 1:
             hint = " (one label per sequence given to a token head? set pred_for_sequence=True)"
-        elif not cfg.pred_for_sequence and labels.dim() >= 2 and labels.shape[1] != lead[1]:
+        elif not sequence and labels.dim() >= 2 and labels.shape[1] != lead[1]:
             hint = f" (label sequence length {labels.shape[1]} != input length {lead[1]})"
-        kind = "sequence" if cfg.pred_for_sequence else "token"
         raise BatchError(
-            f"{_where(cfg)} is a {kind} head: labels of shape {tuple(labels.shape)} do not fit; "
-            f"expected {' or '.join(str(e) for e in expected)}{hint}"
+            f"{_where(cfg)} is a {rule.layout} head: labels of shape {tuple(labels.shape)} do not "
+            f"fit; expected {' or '.join(str(e) for e in expected)}{hint}"
         )
     if not classes and labels.dim() == len(lead):
         labels = labels.unsqueeze(-1)
@@ -194,14 +260,16 @@ def counted_positions(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one rule for which positions count: returns ``(preds, labels, valid)``.
 
-    ``valid`` has preds' leading shape after alignment. Padding (mask 0) does not count for
-    token heads with ``ignore_pads``; a causal-LM head's prediction at t meets the label at
-    t + 1 (preds lose the last position, labels and ``valid`` the first). -100 is not handled
-    here: see ``head_loss`` and the metrics.
+    ``valid`` has preds' leading shape after alignment. Padding (mask 0) does not count when
+    the label rule ``skips_padding`` (token heads with ``ignore_pads``); with ``shift`` (a
+    causal-LM head) the prediction at t meets the label at t + 1 (preds lose the last
+    position, labels and ``valid`` the first). -100 is not handled here: see ``head_loss``
+    and the metrics.
     """
+    rule = label_rule(cfg)
     lead = preds.shape[:-1]
     valid = torch.ones(lead, dtype=torch.bool, device=preds.device)
-    if not cfg.pred_for_sequence and cfg.ignore_pads and attention_mask is not None:
+    if rule.skips_padding and attention_mask is not None:
         mask = torch.as_tensor(attention_mask, device=preds.device)
         if tuple(mask.shape) != tuple(lead):
             raise BatchError(
@@ -209,7 +277,7 @@ def counted_positions(
                 f"predictions {tuple(preds.shape)}"
             )
         valid = mask.bool()
-    if cfg.is_causal_lm:  # position t predicts token t+1
+    if rule.shift:  # position t predicts token t+1
         preds, labels, valid = preds[:, :-1], labels[:, 1:], valid[:, 1:]
     return preds, labels, valid
 
@@ -235,10 +303,11 @@ def head_loss(
     spec: LossSpec = LOSSES.get(cfg.loss_fct)
     labels = fit_labels(cfg, preds, labels_as_tensor(labels, preds.device, _where(cfg)))
     preds, labels, valid = counted_positions(cfg, preds, labels, attention_mask)
-    if spec.classes:
-        per, weights = _class_loss(cfg, spec, preds, labels, valid, check)
+    rule = label_rule(cfg)
+    if rule.classes:
+        per, weights = _class_loss(cfg, spec, rule, preds, labels, valid, check)
     else:
-        per, weights = _value_loss(cfg, spec, preds, labels, valid, check)
+        per, weights = _value_loss(cfg, spec, rule, preds, labels, valid, check)
     per = torch.where(weights > 0, per, torch.zeros_like(per))
     return per.sum() / weights.sum().clamp(min=1)
 
@@ -246,6 +315,7 @@ def head_loss(
 def _class_loss(
     cfg: HeadConfig,
     spec: LossSpec,
+    rule: LabelRule,
     preds: torch.Tensor,
     labels: torch.Tensor,
     valid: torch.Tensor,
@@ -257,8 +327,9 @@ def _class_loss(
             f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs integer class indices, got "
             f"labels of dtype {labels.dtype}"
         )
-    labels = labels.long()
-    valid = valid & (labels != IGNORE_INDEX)
+    labels = labels.to(rule.dtype)
+    if rule.ignore_index is not None:
+        valid = valid & (labels != rule.ignore_index)
     bad = valid & ((labels < 0) | (labels >= n_out)) if check else None
     if bad is not None and bool(bad.any()):
         value = int(labels[bad][0])
@@ -274,6 +345,7 @@ def _class_loss(
 def _value_loss(
     cfg: HeadConfig,
     spec: LossSpec,
+    rule: LabelRule,
     preds: torch.Tensor,
     labels: torch.Tensor,
     valid: torch.Tensor,
@@ -283,10 +355,10 @@ def _value_loss(
         raise BatchError(
             f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs numeric labels, got {labels.dtype}"
         )
-    labels = labels.to(torch.float32)
+    labels = labels.to(rule.dtype)
     counts = valid.unsqueeze(-1).expand_as(labels)
     ignored = labels == IGNORE_INDEX
-    if spec.ignores_minus_100:
+    if rule.ignore_index is not None:
         counts = counts & ~ignored
     elif check and bool((counts & ignored).any()):
         raise BatchError(

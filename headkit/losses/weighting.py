@@ -4,6 +4,12 @@
 std once ``warmup`` steps have been seen (as transformer-heads does; zero during warm-up).
 ``uncertainty``: learned homoscedastic uncertainty (Kendall et al. 2018):
 exp(-s) × loss + s with one learned log-variance s per head, times loss_weight.
+
+Schemes are registered by name (``WEIGHTINGS``, like ``LOSSES`` and ``HEADS``): a scheme's
+``name`` is the one it is registered under, and checkpoints record it with ``config()``, so a
+user's ``@WEIGHTINGS.register("mine")`` subclass of ``LossWeighting`` saves and loads back.
+It is built as ``cls(weights, **options)`` with ``weights`` the heads' ``loss_weight`` values
+and ``options`` what its ``config()`` returned besides the name.
 """
 
 from __future__ import annotations
@@ -12,12 +18,14 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..registry import Registry
+
+WEIGHTINGS: Registry = Registry("loss weighting", "loss_weighting")
 
 
+@WEIGHTINGS.register("fixed")
 class LossWeighting(nn.Module):
     """Maps {head: loss} to {head: adapted loss}; the total is the sum of adapted losses."""
-
-    name = "fixed"
 
     def __init__(self, weights: dict[str, float]) -> None:
         super().__init__()
@@ -26,15 +34,20 @@ class LossWeighting(nn.Module):
     def forward(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v * self.weights[k] for k, v in losses.items()}
 
+    @property
+    def name(self) -> str | None:
+        """The name this scheme's class is registered under (None: unregistered)."""
+        return WEIGHTINGS.name_of(type(self))
+
     def config(self) -> dict:
+        """``{"name": ..., **options}``: what a checkpoint records to build it again."""
         return {"name": self.name}
 
 
+@WEIGHTINGS.register("adaptive")
 class AdaptiveWeighting(LossWeighting):
     """Normalise each head's loss by its running mean/std after a warm-up: over every loss
     seen (Welford, sample std) or, with ``momentum``, exponentially weighted."""
-
-    name = "adaptive"
 
     def __init__(self, weights: dict[str, float], warmup: int = 5, momentum: float | None = None):
         super().__init__(weights)
@@ -91,10 +104,9 @@ class AdaptiveWeighting(LossWeighting):
         return cfg
 
 
+@WEIGHTINGS.register("uncertainty")
 class UncertaintyWeighting(LossWeighting):
     """exp(-s_k) × L_k + s_k per head, with learned log-variances s_k (one per head)."""
-
-    name = "uncertainty"
 
     def __init__(self, weights: dict[str, float]) -> None:
         super().__init__(weights)
@@ -108,17 +120,24 @@ class UncertaintyWeighting(LossWeighting):
         return out
 
 
-WEIGHTINGS = {
-    "fixed": LossWeighting,
-    "adaptive": AdaptiveWeighting,
-    "uncertainty": UncertaintyWeighting,
-}
-
-
 def build_weighting(name: str, weights: dict[str, float], **kwargs) -> LossWeighting:
-    """Build a weighting scheme by name ("fixed", "adaptive", "uncertainty")."""
-    if name not in WEIGHTINGS:
+    """Build the scheme registered as ``name`` ("fixed", "adaptive", "uncertainty", ...)."""
+    return WEIGHTINGS.get(name)(weights, **kwargs)
+
+
+def savable_config(weighting: LossWeighting) -> dict:
+    """``weighting.config()``, checked to name the class a checkpoint will build again."""
+    cfg = weighting.config()
+    name = cfg.get("name") if isinstance(cfg, dict) else None
+    if name in WEIGHTINGS and WEIGHTINGS.get(name) is type(weighting):
+        return cfg
+    cls, registered = type(weighting).__name__, WEIGHTINGS.name_of(type(weighting))
+    if registered is None:
         raise ConfigError(
-            f"loss_weighting={name!r} is unknown; allowed: {', '.join(sorted(WEIGHTINGS))}"
+            f"loss_weighting={cls} is not registered in WEIGHTINGS, so a checkpoint could not "
+            f"build it again; register it (@WEIGHTINGS.register('my_scheme') on the class)"
         )
-    return WEIGHTINGS[name](weights, **kwargs)
+    raise ConfigError(
+        f"loss_weighting={cls}: its config() names {name!r}, but {cls} is registered as "
+        f"{registered!r}; let config() return {{'name': self.name, **options}}"
+    )

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+from ..heads.base import Head
 from .parallel import drop_idle_gradients
 
 #: Output fields the vanilla Trainer must not gather as predictions (``logits`` carries them).
@@ -71,7 +73,7 @@ class PreTrainedConveniences:
             bb.activation_checkpointing_enable(
                 activation_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload
             )
-        else:  # transformers releases before the rename
+        else:  # transformers < 5.23.0 has only this name
             bb.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=activation_checkpointing_kwargs
             )
@@ -147,12 +149,26 @@ class PreTrainedConveniences:
     ) -> nn.Embedding:
         """Resize the backbone's vocabulary (``PreTrainedModel.resize_token_embeddings``).
 
-        Causal-LM heads whose ``num_outputs`` was the old vocabulary size follow: their last
-        Linear grows or shrinks to the new size, new rows initialised as transformers
-        initialises a resized LM head, and ``num_outputs`` in their config is updated (so
-        checkpoints stay consistent).
+        Causal-LM heads whose ``num_outputs`` was the old vocabulary size follow: their output
+        projection (``Head.output_projection``) grows or shrinks to the new size, new rows
+        initialised as transformers initialises a resized LM head, and ``num_outputs`` in their
+        config is updated (so checkpoints stay consistent). Such a head whose kind has no output
+        projection is a ConfigError, raised before anything is resized.
         """
         old = _vocab_size(self.backbone)
+        following = {
+            name: cfg
+            for name, cfg in self.head_configs.items()
+            if cfg.is_causal_lm and cfg.num_outputs == old
+        }
+        for name in following:
+            head = self.heads[name]
+            if not isinstance(head, Head) or head.output_projection() is None:
+                raise ConfigError(
+                    f"head {name!r} ({type(head).__name__}) predicts the "
+                    f"vocabulary ({old} tokens) but has no output_projection() to resize; "
+                    "implement Head.output_projection for its kind, or resize before adding it"
+                )
         emb = self.backbone.resize_token_embeddings(
             new_num_tokens, pad_to_multiple_of, mean_resizing
         )
@@ -161,11 +177,9 @@ class PreTrainedConveniences:
             self.info.vocab_size = new
         if new == old:
             return emb
-        for name, cfg in list(self.head_configs.items()):
+        for name, cfg in following.items():
             head = self.heads[name]
-            if not cfg.is_causal_lm or cfg.num_outputs != old or not hasattr(head, "linears"):
-                continue
-            _resize_last_linear(self.backbone, head, new, mean_resizing)
+            _resize_projection(self.backbone, head, new, mean_resizing)
             cfg = cfg.replace(num_outputs=new)
             self.head_configs[name] = cfg
             head.config = cfg
@@ -233,12 +247,9 @@ def _vocab_size(backbone: Any) -> int | None:
 
 
 @torch.no_grad()
-def _resize_last_linear(backbone: Any, head: nn.Module, new: int, mean_resizing: bool) -> None:
-    """Replace the head's last Linear by one with ``new`` outputs (transformers' own rule)."""
-    old_linear = head.linears[-1]
-    resized = backbone._get_resized_lm_head(old_linear, new, mean_resizing=mean_resizing)
-    resized.requires_grad_(old_linear.weight.requires_grad)
-    for i, m in enumerate(head.mlp):
-        if m is old_linear:
-            head.mlp[i] = resized
-            return
+def _resize_projection(backbone: Any, head: Head, new: int, mean_resizing: bool) -> None:
+    """Replace the head's output projection by one with ``new`` outputs (transformers' rule)."""
+    old = head.output_projection()
+    resized = backbone._get_resized_lm_head(old, new, mean_resizing=mean_resizing)
+    resized.requires_grad_(old.weight.requires_grad)
+    head.replace_output_projection(resized)

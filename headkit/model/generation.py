@@ -285,26 +285,24 @@ class _HeadedDriver:
         token_type_ids: torch.Tensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: Any = None,  # the cache's name before transformers 5.2x
+        past_key_values: Any = None,  # the cache's name before transformers 5.24.0
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         headed, plan = self._headed, self.plan
         cache = cache if cache is not None else past_key_values
         past = int(cache.get_seq_length()) if cache is not None else 0
         flags = {k: kwargs.get(k) for k in ("output_attentions", "output_hidden_states")}
-        inputs = prepare_inputs(
-            headed.backbone,
-            headed.info,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            inputs_embeds=inputs_embeds,
-            token_type_ids=token_type_ids,
-            use_cache=use_cache,
-            check=False,
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": cache,
+            "inputs_embeds": inputs_embeds,
+            "token_type_ids": token_type_ids,
+            "use_cache": use_cache,
             **flags,
-        )
+        }
+        inputs = prepare_inputs(headed.backbone, headed.info, batch, check=False)
         layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
         # Stop after the deepest needed block: a step needs the cache object it was given
         # (filled in place), and the final step needs no cache at all.
@@ -444,7 +442,7 @@ def _finish(
     head_outputs = {n: _stitch(rec.token_outputs[n], P, total) for n in plan.token_heads}
     for name, layer in plan.sequence_heads.items():
         states = _stitch(rec.states[layer], 0, total)  # (rows, P + N, hidden)
-        head_outputs[name] = headed.heads[name](states, full_mask.to(dev), headed.info.pooler)
+        head_outputs[name] = headed.heads[name](states, full_mask.to(dev))
     logprobs = torch.stack([rec.logprobs[p] for p in range(P, total)], -1) if N else None
     return HeadedGenerateOutput(
         sequences=sequences,

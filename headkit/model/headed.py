@@ -40,12 +40,12 @@ from ..checkpoint import restore, save_checkpoint
 from ..config import HeadConfig
 from ..errors import BatchError, CheckpointError, ConfigError
 from ..heads.base import Head, HeadDict, build_head, get_submodule_by_name
-from ..losses.objective import head_loss
+from ..losses.objective import head_loss, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
 from .conveniences import PreTrainedConveniences, hide_head_dicts_from_trainer
 from .generation import HeadedGenerationMixin
 from .guards import NonFiniteGuard, ValueChecks
-from .labels import ForwardWithTargets, route_labels, unused_targets
+from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
 from .parallel import freeze_unreached, inside_strict_ddp, join_idle
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
@@ -153,7 +153,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self.allow_unused_labels = bool(allow_unused_labels)
         self.max_head_parameters = _check_budget(max_head_parameters)
         self.head_configs: dict[str, HeadConfig] = {}
-        self._hooks: dict[str, int] = {}
+        self._layer_of_head: dict[str, int] = {}  # head → resolved index into hidden_states
         if isinstance(head_configs, (HeadConfig, Mapping)):  # one head: a list of one
             head_configs = [head_configs]
         for cfg in head_configs:
@@ -162,7 +162,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                 raise ConfigError(f"head_configs must hold HeadConfig objects, got {cfg!r}")
             cfg = self._resolve(cfg)
             self.head_configs[cfg.name] = cfg
-            self._hooks[cfg.name] = self.info.resolve_hook(cfg.layer_hook, cfg.name)
+            self._layer_of_head[cfg.name] = self.info.resolve_hook(cfg.layer_hook, cfg.name)
         self._check_targets()
         device = _device_of(self.backbone)
         pooler, pooler_size = self.info.pooler, self.info.pooler_size
@@ -184,7 +184,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         else:
             freeze_unreached(self)
         hide_head_dicts_from_trainer(self.backbone.config)
-        prepare_tracing(self.backbone, self.info, set(self._hooks.values()))  # torch.compile
+        layers = set(self._layer_of_head.values())
+        prepare_tracing(self.backbone, self.info, layers)  # capture hooks for torch.compile
         self.set_loss_weighting(loss_weighting)
         # ``model.forward`` advertises the heads' targets (see labels.ForwardWithTargets).
         self.forward = ForwardWithTargets(type(self).forward, self)
@@ -225,6 +226,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         return cfg
 
     def _check_targets(self) -> None:
+        """Targets must not be input names, and each must have one label layout."""
         # "self": forward's first parameter cannot also be a keyword label
         reserved = {"self", *MODEL_INPUTS} | (self.info.forward_params - {"kwargs", "args"})
         for cfg in self.head_configs.values():
@@ -233,6 +235,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                     f"HeadConfig(name={cfg.name!r}): target={cfg.target!r} collides with a model "
                     f"input name; choose another (reserved: {', '.join(sorted(reserved))})"
                 )
+        target_rules(self.head_configs)  # a target read per example and per position: refused
 
     def train(self, mode: bool = True) -> HeadedModel:
         """Set train/eval mode; a fully frozen backbone stays in eval mode.
@@ -295,7 +298,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
 
     def hooked_layers(self) -> dict[str, int]:
         """Each head's resolved index into hidden_states (0..num_layers)."""
-        return dict(self._hooks)
+        return dict(self._layer_of_head)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -311,7 +314,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **labels: Any,
-    ) -> HeadedModelOutput:
+    ) -> HeadedModelOutput | tuple:
         """Run the backbone (only as deep as needed), every head, and the losses.
 
         ``labels`` are passed by each head's ``target``; a head without its label gets no
@@ -319,28 +322,29 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         KV cache the mask may cover ``past + new`` positions, as in generation.
         ``labels={target: tensor, ...}`` (a mapping) is accepted too: it is what HF Trainer
         recognises as the batch's labels (it looks for a key named "labels").
+        The output is a ``HeadedModelOutput``; ``return_dict=False`` gives its
+        ``to_tuple()`` instead (its fields that are not None, in order), as transformers
+        models do when it is passed (the backbone config's ``return_dict`` is not read).
         """
         self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
         labels = self._route_labels(labels)
         given = {"input_ids": input_ids, "attention_mask": attention_mask, **labels}
         signature = self._value_checks.due(given) if self.check_inputs else None  # guards.py
         check = signature is not None
-        inputs = prepare_inputs(
-            self.backbone,
-            self.info,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            token_type_ids=token_type_ids,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            check=check,
-        )
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "inputs_embeds": inputs_embeds,
+            "token_type_ids": token_type_ids,
+            "use_cache": use_cache,
+            "output_attentions": output_attentions,
+            "output_hidden_states": output_hidden_states,
+        }
+        inputs = prepare_inputs(self.backbone, self.info, batch, check)
         full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
-        wanted = set(self._hooks.values())
+        wanted = set(self._layer_of_head.values())
         captured, out = run_stage(self.backbone, self.info, inputs, wanted, not full)
         features = self.head_inputs(captured, inputs.mask)
         preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
@@ -349,8 +353,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         loss, adapted = self.combine_losses(losses)
         if self.training and torch.is_grad_enabled() and inside_strict_ddp():
             loss = join_idle(self, loss, preds, set(adapted))
-        trained = [n for n, c in self.head_configs.items() if c.loss_fct is not None]
-        return HeadedModelOutput(
+        trained = loss_heads(self.head_configs)
+        output = HeadedModelOutput(
             loss=loss,
             logits=preds[trained[0]] if len(trained) == 1 else preds,
             loss_by_head=losses,
@@ -360,6 +364,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
             hidden_states=getattr(out, "hidden_states", None) if out is not None else None,
             attentions=getattr(out, "attentions", None) if out is not None else None,
         )
+        return output.to_tuple() if return_dict is False else output
 
     def _route_labels(self, labels: dict[str, Any]) -> dict[str, Any]:
         """Flatten ``labels={target: ...}``, give a ``labels`` tensor to the one head with a
@@ -385,7 +390,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         shared: dict[tuple, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, head in self.heads.items():
-            layer = self._hooks[name]
+            layer = self._layer_of_head[name]
             key = head.pooling_key if isinstance(head, Head) else None
             if key is None:
                 out[name] = head.features(captured[layer], mask)

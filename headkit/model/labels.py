@@ -1,4 +1,4 @@
-"""Which head reads which label: the one rule for ``labels`` batch keys.
+"""Which head reads which label: routing a batch's label keys to head targets.
 
 A batch passes labels by each head's ``target`` (``sentiment=tensor``), as a dict under
 ``labels`` (``labels={"sentiment": tensor}``: what ``HeadedCollator`` makes, and the key HF

@@ -175,9 +175,10 @@ def _is_number(v: Any) -> bool:
 
 
 def split_rows(
-    rows: ProbeRows, test_fraction, val_fraction, seeds, seed
+    rows: ProbeRows, test_fraction, val_fraction, val_splits, seed
 ) -> dict[str, torch.Tensor]:
-    """Row masks: "test", "train" (R,), and "fit" (S, R_train) per seed; split by example."""
+    """Row masks: "test", "train" (R,), and "fit" (S, R_train) per validation split; split by
+    example."""
     n = len(rows.examples)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_test = max(1, round(n * test_fraction))
@@ -190,8 +191,8 @@ def split_rows(
             f"{n} examples leave {len(train_examples) - n_val} to train on after the held-out "
             f"({n_test}) and validation ({n_val}) splits; give more examples"
         )
-    fit_examples = torch.ones(seeds, n, dtype=torch.bool)
-    for s in range(seeds):
+    fit_examples = torch.ones(val_splits, n, dtype=torch.bool)
+    for s in range(val_splits):
         g = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (s + 1))
         fit_examples[
             s, train_examples[torch.randperm(len(train_examples), generator=g)[:n_val]]

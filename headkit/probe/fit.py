@@ -1,18 +1,19 @@
-"""Batched linear probes: every layer, pooling, seed, label variant and L2 value in one tensor.
+"""Batched linear probes: each layer, pooling, validation split, label variant and L2 value
+as columns of one tensor.
 
 Features ``x`` are (B, N, d): B probing problems (one per layer and pooling of one width) over
-N training rows. Output columns are indexed (seed, variant, l2[, class]). Every column group
+N training rows. Output columns are indexed (split, variant, l2[, class]). Every column group
 is an independent problem that shares only its input features with the others:
 
 - classification: multinomial logistic regression, ``mean CE over the fit rows + l2 * |W|^2``
   (the bias is not penalised), minimised by Nesterov-accelerated gradient steps preconditioned
   with Böhning's bound on the Hessian, ``0.5 * A^T A / n + 2 * l2`` (A = features with a ones
   column). The bound holds at every point, so one eigendecomposition per problem serves every
-  iteration, seed and L2, and 30-100 steps reach the optimum to ~1e-5 of the objective.
+  iteration, split and L2, and 30-100 steps reach the optimum to ~1e-5 of the objective.
 - regression: ridge, ``mean squared error over the fit rows + l2 * |w|^2``, solved exactly.
 
-Seeds differ in which training rows are held back for validation (``fit`` weights); each
-(problem, seed, variant) keeps the L2 with the best validation score.
+Validation splits differ in which training rows are held back for validation (``fit``
+weights); each (problem, split, variant) keeps the L2 with the best validation score.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ DEFAULT_L2 = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 
 @dataclass
 class FitScores:
-    """Scores of the chosen probes. Shapes (B, S, V) unless noted; S seeds, V label variants.
+    """Scores of the chosen probes. Shapes (B, S, V) unless noted: S validation splits, V
+    label variants.
 
     ``test_items`` is (B, S, V, n_test): per held-out row, 1/0 correctness (classification)
     or the squared error (regression), for bootstrap intervals.
@@ -68,7 +70,8 @@ def fit_and_score(
     """Train every probe on standardised ``x_train`` (B, N, d) and score the chosen ones.
 
     ``y_train`` (V, N) and ``y_test`` (V, n_test): class indices (``num_classes`` given) or
-    values (``num_classes=None``: ridge). ``fit`` (S, N) bool: the rows each seed trains on;
+    values (``num_classes=None``: ridge). ``fit`` (S, N) bool: the rows each validation split trains
+    on;
     the others validate. ``l2`` (K,).
     """
     fit_w = fit.float() / fit.sum(1, keepdim=True).float()  # (S, N), 1/n_fit on fit rows
@@ -126,7 +129,7 @@ def _ss_tot(y: torch.Tensor) -> torch.Tensor:
 def bootstrap_interval(
     items: torch.Tensor, y: torch.Tensor, regression: bool, resamples: int, seed: int
 ) -> torch.Tensor:
-    """95% percentile interval of the seed-averaged held-out score, resampling held-out rows.
+    """95% percentile interval of the split-averaged held-out score, resampling held-out rows.
 
     ``items`` (B, S, V, n); returns (B, V, 2). The same resamples serve every problem.
     """
@@ -166,7 +169,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _fit_ridge(
     x: torch.Tensor, y: torch.Tensor, fit_w: torch.Tensor, l2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact ridge per (problem, seed, variant, l2): w (B, d, S, V, K), b (B, S, V, K)."""
+    """Exact ridge per (problem, split, variant, l2): w (B, d, S, V, K), b (B, S, V, K)."""
     xd, yd, wd = x.double(), y.double(), fit_w.double()
     mean_x = torch.einsum("sn,bnd->bsd", wd, xd)  # (B, S, d)
     mean_y = wd @ yd.T  # (S, V)
@@ -194,7 +197,7 @@ def _fit_softmax(
     tol: float,
     bar: tqdm | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2 softmax regression per (problem, seed, variant, l2): w (B, d, S, V, K, C), b.
+    """L2 softmax regression per (problem, split, variant, l2): w (B, d, S, V, K, C), b.
 
     Two classes are fitted as one logistic regression on the logit difference u with penalty
     ``l2/2 |u|^2``: the 2-class softmax optimum is ``w1 = -w0 = u/2`` (the penalty splits u

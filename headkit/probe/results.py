@@ -16,10 +16,10 @@ from ..errors import ConfigError
 class ProbeRow:
     """One probe's held-out score and what to compare it with.
 
-    ``score`` is the held-out metric averaged over seeds (``accuracy`` or ``r2`` in JSON),
-    ``std`` its standard deviation over seeds (None for one seed), ``ci95`` a 95% bootstrap
-    interval of ``score`` over held-out rows. ``control`` / ``selectivity`` are None unless the
-    sweep ran a control task; ``l2`` is the penalty chosen on validation, per seed.
+    ``score`` is the held-out metric averaged over validation splits (``accuracy`` or ``r2`` in
+    JSON), ``std`` its standard deviation over them (None for one split), ``ci95`` a 95%
+    bootstrap interval of ``score`` over held-out rows. ``control`` / ``selectivity`` are None
+    unless the sweep ran a control task; ``l2`` is the penalty chosen on validation, per split.
     """
 
     layer: int
@@ -76,7 +76,7 @@ class ProbeResults:
     baseline: float
     n_train: int
     n_test: int
-    seeds: int
+    val_splits: int
     control: bool
     l2_grid: list[float]
     classes: list[Any] | None = None
@@ -152,10 +152,12 @@ class ProbeResults:
         text = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines]
         text.insert(1, "  ".join("-" * w for w in widths))
         best = self.best()
+        splits = "validation split" if self.val_splits == 1 else "validation splits"
         text.append(
             f"best on validation: layer {best.layer} ({best.pooling}), held-out {m} "
             f"{best.score:.3f}; baseline {self.baseline:.3f} "
-            f"({'majority class' if m == 'accuracy' else 'training mean'})"
+            f"({'majority class' if m == 'accuracy' else 'training mean'}); "
+            f"scores averaged over {self.val_splits} {splits} (val_splits)"
         )
         return "\n".join(text)
 

@@ -5,10 +5,12 @@ layer (``cache_features`` with one feature head per layer and pooling), then tra
 linear probe per (layer, pooling) on the cached features — all of them together, batched
 (``headkit.probe.fit``) — and scores each on a held-out split:
 
-- held-out split: ``test_fraction`` of the examples, drawn with ``seed`` (fixed across seeds);
-- seeds: each seed holds back a different ``val_fraction`` of the training examples to choose
-  the L2 penalty on, and trains on the rest; ``std`` is the spread over seeds, ``ci95`` a
-  bootstrap interval over held-out rows of the seed-averaged score;
+- held-out split: ``test_fraction`` of the examples, drawn with ``seed`` (the same for every
+  validation split);
+- validation splits (``val_splits`` of them): each holds back a different ``val_fraction`` of
+  the training examples to choose the L2 penalty on, and trains on the rest; ``std`` is the
+  spread over the splits, ``ci95`` a bootstrap interval over held-out rows of the
+  split-averaged score;
 - features are standardised per layer with the training split's statistics;
 - control task (Hewitt & Liang, 2019): each distinct input text (sequence tasks) or word type
   (token tasks) gets a fixed random label drawn from the training labels; probes are trained
@@ -58,7 +60,7 @@ def probe_layers(
     task: str = "classification",
     tokenizer: Any = None,
     control: bool = False,
-    seeds: int = 1,
+    val_splits: int = 1,
     seed: int = 0,
     test_fraction: float = 0.2,
     val_fraction: float = 0.2,
@@ -81,12 +83,14 @@ def probe_layers(
     whitespace-separated strings, ``labels`` one class per word; a word's label goes to its
     first sub-token). ``layers`` index ``hidden_states`` as ``output_hidden_states=True``
     does (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several
-    to compare (see ``parse_poolings``). See the module docstring for splits, seeds and the
-    control task. The backbone is left as it was (requires_grad and train/eval mode).
+    to compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose
+    the L2 penalty (scores are averaged over them); ``seed`` draws every split. See the module
+    docstring for splits and the control task. The backbone is left as it was (requires_grad
+    and train/eval mode).
     """
-    _check_args(task, seeds, test_fraction, val_fraction, l2, bootstrap, len(texts), len(labels))
-    if task == "token" and pooling is not None:
-        raise ConfigError(f"pooling={pooling!r} does not apply to task='token'; leave it unset")
+    _check_args(
+        task, pooling, val_splits, test_fraction, val_fraction, l2, bootstrap, texts, labels
+    )
     poolings = [] if task == "token" else parse_poolings(pooling or "mean")
     settings = {"seed": seed, "test_fraction": test_fraction, "val_fraction": val_fraction}
     settings.update(max_length=max_length, bootstrap=bootstrap, n_examples=len(texts))
@@ -99,13 +103,23 @@ def probe_layers(
     lap("tokenize")
     features = _features(backbone, rows, chosen, poolings, batch_size, progress)
     lap("features")
-    split = split_rows(rows, test_fraction, val_fraction, seeds, seed)
+    split = split_rows(rows, test_fraction, val_fraction, val_splits, seed)
     variants = [rows.y] + ([control_labels(rows, split["train"], seed)] if control else [])
     y = torch.stack(variants)  # (V, R): the task's labels, then the control task's
     num_classes = len(rows.classes) if rows.classes is not None else None
     penalties = torch.tensor([float(v) for v in l2])
-    fit = (split, penalties, num_classes, max_iter, tol, bootstrap, seed, progress)
-    scores = _train_probes(features, y, *fit)
+    scores = _train_probes(
+        features,
+        y,
+        split=split,
+        l2=penalties,
+        num_classes=num_classes,
+        max_iter=max_iter,
+        tol=tol,
+        resamples=bootstrap,
+        seed=seed,
+        progress=progress,
+    )
     lap("probes")
     baseline = _baseline(y[0], split, rows.classes is None)
     return ProbeResults(
@@ -113,11 +127,11 @@ def probe_layers(
         metric="r2" if task == "regression" else "accuracy",
         model=describe(model),
         num_layers=num_layers,
-        rows=_result_rows(scores, chosen, poolings or ["token"], baseline, seeds, control),
+        rows=_result_rows(scores, chosen, poolings or ["token"], baseline, val_splits, control),
         baseline=baseline,
         n_train=int(split["train"].sum()),
         n_test=int(split["test"].sum()),
-        seeds=seeds,
+        val_splits=val_splits,
         control=control,
         l2_grid=penalties.tolist(),
         classes=rows.classes,
@@ -140,11 +154,17 @@ class _Laps:
         self.last = now
 
 
-def _check_args(task, seeds, test_fraction, val_fraction, l2, bootstrap, n_texts, n_labels):
+def _check_args(
+    task, pooling, val_splits, test_fraction, val_fraction, l2, bootstrap, texts, labels
+):
     if task not in TASKS:
         raise ConfigError(f"task={task!r} is invalid; allowed: {', '.join(TASKS)}")
-    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
-        raise ConfigError(f"seeds={seeds!r} is invalid; an integer >= 1")
+    if task == "token" and pooling is not None:
+        raise ConfigError(f"pooling={pooling!r} does not apply to task='token'; leave it unset")
+    if not isinstance(val_splits, int) or isinstance(val_splits, bool) or val_splits < 1:
+        raise ConfigError(
+            f"val_splits={val_splits!r} is invalid; an integer >= 1 (how many validation splits)"
+        )
     for name, v in (("test_fraction", test_fraction), ("val_fraction", val_fraction)):
         if not isinstance(v, (int, float)) or not 0 < v < 1:
             raise ConfigError(f"{name}={v!r} is invalid; a fraction strictly between 0 and 1")
@@ -152,8 +172,8 @@ def _check_args(task, seeds, test_fraction, val_fraction, l2, bootstrap, n_texts
         raise ConfigError(f"l2={l2!r} is invalid; one or more penalties > 0")
     if not isinstance(bootstrap, int) or bootstrap < 10:
         raise ConfigError(f"bootstrap={bootstrap!r} is invalid; an integer >= 10 (resamples)")
-    if n_texts != n_labels:
-        raise ConfigError(f"got {n_texts} texts but {n_labels} labels; one label per text")
+    if len(texts) != len(labels):
+        raise ConfigError(f"got {len(texts)} texts but {len(labels)} labels; one label per text")
 
 
 def _backbone_and_tokenizer(model: Any, tokenizer: Any, model_kwargs: Any) -> tuple[Any, Any]:
@@ -233,7 +253,9 @@ def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress)
     return {key: cached.features(cfg.name)[rows_index].float() for key, cfg in heads.items()}
 
 
-def _train_probes(features, y, split, l2, num_classes, max_iter, tol, resamples, seed, progress):
+def _train_probes(
+    features, y, *, split, l2, num_classes, max_iter, tol, resamples, seed, progress
+) -> dict:
     """Fit every problem, chunked by width and memory; per key: scores and a 95% interval."""
     train, test, fit = split["train"], split["test"], split["fit"]
     n_rows = int(train.sum())
@@ -286,7 +308,7 @@ def _baseline(y: torch.Tensor, split, regression: bool) -> float:
     return float((y_test == majority).float().mean())
 
 
-def _result_rows(scores, layers, poolings, baseline, seeds, control) -> list[ProbeRow]:
+def _result_rows(scores, layers, poolings, baseline, val_splits, control) -> list[ProbeRow]:
     rows = []
     for p in poolings:
         for k in layers:
@@ -298,7 +320,7 @@ def _result_rows(scores, layers, poolings, baseline, seeds, control) -> list[Pro
                 score=float(test[:, 0].mean()),
                 train_score=float(s["train"][:, 0].mean()),
                 val_score=float(s["val"][:, 0].mean()),
-                std=float(test[:, 0].std()) if seeds > 1 else None,
+                std=float(test[:, 0].std()) if val_splits > 1 else None,
                 ci95=(float(s["ci95"][0, 0]), float(s["ci95"][0, 1])),
                 baseline=baseline,
                 l2=[float(v) for v in s["l2"][:, 0]],
@@ -306,7 +328,7 @@ def _result_rows(scores, layers, poolings, baseline, seeds, control) -> list[Pro
             if control:
                 row.control = float(test[:, 1].mean())
                 row.control_train = float(s["train"][:, 1].mean())
-                row.control_std = float(test[:, 1].std()) if seeds > 1 else None
+                row.control_std = float(test[:, 1].std()) if val_splits > 1 else None
                 row.selectivity = row.score - row.control
             rows.append(row)
     return rows

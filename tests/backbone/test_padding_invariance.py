@@ -129,7 +129,7 @@ def test_right_padding_keeps_the_encoders_own_positions(arch: str):
         want = backbone.embeddings.create_position_ids_from_input_ids(ids, pad)
     else:
         want = torch.arange(ids.shape[1]).expand_as(ids)
-    got = prepare_inputs(model.backbone, model.info, input_ids=ids, attention_mask=mask)
+    got = prepare_inputs(model.backbone, model.info, {"input_ids": ids, "attention_mask": mask})
     assert torch.equal(got.kwargs["position_ids"], want)
     with torch.no_grad():
         theirs = backbone(input_ids=ids, attention_mask=mask).last_hidden_state

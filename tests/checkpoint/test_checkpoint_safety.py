@@ -406,7 +406,7 @@ def test_150000_layers_with_in_size_null_are_refused_before_anything_is_built(tm
     )
     tracemalloc.start()
     try:
-        with pytest.raises(CheckpointError, match=r"150001 layers in all.*num_layers=150000"):
+        with pytest.raises(CheckpointError, match=r"150001 tensors in all.*num_layers=150000"):
             read_checkpoint(folder)  # the manifest stage: no backbone, no head is built
         with pytest.raises(CheckpointError, match=r"holds \d+ tensors"):
             HeadedModel.from_pretrained(folder)

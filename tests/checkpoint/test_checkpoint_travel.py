@@ -192,23 +192,6 @@ def test_a_referenced_backbone_replaced_on_disk_is_noticed(tmp_path, gpt2_dir):
         HeadedModel.from_pretrained(tmp_path / "ckpt")
 
 
-def test_a_checkpoint_with_an_old_style_fingerprint_still_loads_and_checks(tmp_path, gpt2_dir):
-    from headkit.backbone.fingerprint import legacy_fingerprint
-
-    model = load_headed(str(gpt2_dir), head_configs=HEADS)
-    perturb(model)
-    expected = predict(model)
-    model.save_pretrained(tmp_path / "ckpt")
-    manifest = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
-    manifest["backbone"]["fingerprint"] = legacy_fingerprint(model.backbone)
-    manifest["backbone"]["source"] = str(gpt2_dir.resolve())  # and an absolute path, as before
-    (tmp_path / "ckpt" / MANIFEST).write_text(json.dumps(manifest))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the old fingerprint matches: no warning
-        loaded = HeadedModel.from_pretrained(tmp_path / "ckpt")
-    assert_same(predict(loaded), expected)
-
-
 # ---------------------------------------------------------------------- 6. travel
 def test_a_packaged_backbone_is_recorded_relative_to_its_package(tmp_path):
     model = load_headed(str(minilm_path()), head_configs=[HeadConfig("h", num_outputs=2)])

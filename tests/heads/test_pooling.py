@@ -103,7 +103,7 @@ def test_every_strategy_matches_per_row_reference(name: str, layout: str) -> Non
     lengths, side = LAYOUTS[layout]
     torch.manual_seed(1)
     pooler = _bert_pooler()
-    pool = SequencePooling([name], HIDDEN, pooler_size=HIDDEN)
+    pool = SequencePooling([name], HIDDEN, HIDDEN, pooler)
     if lengths is None:
         mask = None
         hidden = torch.randn(3, 4, HIDDEN)
@@ -111,7 +111,7 @@ def test_every_strategy_matches_per_row_reference(name: str, layout: str) -> Non
         mask = _mask(lengths, max(max(lengths), 2), side)
         hidden = _hidden(mask)
     with torch.no_grad():
-        got = pool(hidden, mask, pooler)
+        got = pool(hidden, mask)
         expected = torch.stack(
             [_reference(name, r, pool, pooler) for r in _real_rows(hidden, mask)]
         )
@@ -136,11 +136,10 @@ def test_nan_and_inf_at_padded_positions_do_not_leak(name: str) -> None:
     dirty = clean.clone()
     dirty[~mask.bool()] = float("nan")
     dirty[0, 0] = float("inf")  # row 0 has one padded position on the left
-    pool = SequencePooling([name], HIDDEN, HIDDEN)
-    pooler = _bert_pooler()
+    pool = SequencePooling([name], HIDDEN, HIDDEN, _bert_pooler())
     with torch.no_grad():
-        got = pool(dirty, mask, pooler)
-        want = pool(clean, mask, pooler)
+        got = pool(dirty, mask)
+        want = pool(clean, mask)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
@@ -150,11 +149,10 @@ def test_batch_result_equals_each_row_pooled_alone(name: str) -> None:
     """Vectorised: pooling a padded batch equals pooling each unpadded row on its own."""
     mask = _mask(LENGTHS, 6, "right")
     hidden = _hidden(mask)
-    pool = SequencePooling([name], HIDDEN, HIDDEN)
-    pooler = _bert_pooler()
+    pool = SequencePooling([name], HIDDEN, HIDDEN, _bert_pooler())
     with torch.no_grad():
-        batch = pool(hidden, mask, pooler)
-        rows = [pool(r.unsqueeze(0), None, pooler)[0] for r in _real_rows(hidden, mask)]
+        batch = pool(hidden, mask)
+        rows = [pool(r.unsqueeze(0), None)[0] for r in _real_rows(hidden, mask)]
     torch.testing.assert_close(batch, torch.stack(rows), atol=1e-6, rtol=1e-6)
 
 
@@ -174,8 +172,8 @@ def test_pooling_never_writes_into_hidden_states(name: str) -> None:
     hidden = leaf * 1.0  # a non-leaf: an in-place write would bump its version counter
     before, version = hidden.detach().clone(), hidden._version
     mask_before = mask.clone()
-    pool = SequencePooling([name], HIDDEN, HIDDEN)
-    out = pool(hidden, mask, _bert_pooler())
+    pool = SequencePooling([name], HIDDEN, HIDDEN, _bert_pooler())
+    out = pool(hidden, mask)
     assert hidden._version == version, "pooling modified the hidden states in place"
     assert torch.equal(hidden.detach(), before)
     assert torch.equal(mask, mask_before)
@@ -211,7 +209,7 @@ def test_names_aliases_and_errors() -> None:
     with pytest.raises(BatchError, match=r"attention_mask of shape \(2, 5\)"):
         pool(torch.zeros(2, 6, HIDDEN), torch.ones(2, 5))
     with pytest.raises(ConfigError, match="pooler"):
-        SequencePooling(["pooler"], HIDDEN)(torch.zeros(1, 2, HIDDEN), None, None)
+        SequencePooling(["pooler"], HIDDEN)(torch.zeros(1, 2, HIDDEN), None)
 
 
 # ---------------------------------------------------------------------- in HeadedModel

@@ -180,7 +180,7 @@ def tiny_dir(tmp_path_factory):
 
 def test_sweep_finds_a_planted_signal_and_the_control_task_does_not(tiny_dir) -> None:
     texts, labels, _ = planted_texts(400)
-    res = probe_layers(tiny_dir, texts, labels, control=True, seeds=2, progress=False)
+    res = probe_layers(tiny_dir, texts, labels, control=True, val_splits=2, progress=False)
     assert res.metric == "accuracy" and res.layers == [0, 1, 2]
     majority = max(np.mean(labels), 1 - np.mean(labels))
     assert abs(res.baseline - majority) < 0.12
@@ -224,7 +224,7 @@ def test_results_json_table_and_plot(tiny_dir, tmp_path) -> None:
         "selectivity",
     ):
         assert key in row
-    assert row["std"] is None  # one seed
+    assert row["std"] is None  # one validation split
     assert [(r["pooling"], r["layer"]) for r in data["rows"]] == [
         ("mean", 0),
         ("mean", 2),
@@ -305,7 +305,7 @@ def test_headed_model_and_argument_errors(make_tiny) -> None:
     tok = tiny_tokenizer()
     cases = [
         (dict(task="tagging"), "task='tagging' is invalid; allowed: classification"),
-        (dict(seeds=0), "seeds=0 is invalid"),
+        (dict(val_splits=0), "val_splits=0 is invalid"),
         (dict(layers="0,9"), "layers='0,9': 9 is out of range; allowed: 'all', indices -3..2"),
         (dict(pooling="attention"), "trainable parameters"),
         (dict(task="token", pooling="mean"), "does not apply to task='token'"),
