@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "HeadwiseMetrics": "metrics",
     "LossSpec": "losses.objective",
     "LossWeighting": "losses.weighting",
+    "WEIGHTINGS": "losses.weighting",
     "MLPHead": "heads.mlp",
     "NonFiniteLossError": "errors",
     "PoolingStrategy": "heads.pooling",
@@ -65,6 +66,7 @@ __all__ = [
     "HEADS",
     "LOSSES",
     "POOLINGS",
+    "WEIGHTINGS",
     "BatchError",
     "CachedFeatures",
     "CheckpointError",
@@ -147,7 +149,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, no
     )
     from .loading import load_headed
     from .losses.objective import LOSSES, LossSpec
-    from .losses.weighting import LossWeighting
+    from .losses.weighting import WEIGHTINGS, LossWeighting
     from .metrics import HeadwiseMetrics, evaluate_head_wise
     from .model.generation import HeadedGenerateOutput
     from .model.headed import HeadedModel, HeadedModelOutput

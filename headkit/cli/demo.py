@@ -48,7 +48,6 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
     from ..probe.sweep import probe_layers
     from .datafiles import read_rows, write_rows
     from .predict import run_predict
-    from .probe import val_splits_keyword
     from .train import load_train_config, run_train
 
     start = time.perf_counter()
@@ -69,7 +68,7 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
         labels,
         control=True,
         progress=progress,
-        **val_splits_keyword(val_splits),
+        val_splits=val_splits,
     )
     print(results.table())
     out.mkdir(parents=True, exist_ok=True)

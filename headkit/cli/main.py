@@ -26,7 +26,6 @@ _OPTIONS = {
     "pooling=": "--pooling",
     "task=": "--task",
     "val_splits=": "--val-splits",
-    "seeds=": "--val-splits",  # TODO(lead): drop after merge (probe_layers' old name)
     "model=": "--model",
     "data=": "--data",
     "data file": "--data",

@@ -8,7 +8,6 @@ module imports argparse only; ``run`` imports the rest.
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,20 +101,12 @@ def run(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         progress=not args.quiet,
         model_kwargs=dict(args.model_kwarg),
-        **val_splits_keyword(args.val_splits),
+        val_splits=args.val_splits,
         **options,
     )
     print(results.table())
     write_results(results, Path(args.output))
 
-
-def val_splits_keyword(n: int) -> dict[str, int]:
-    """``{"val_splits": n}`` for ``probe_layers``, or ``{"seeds": n}`` where it is older."""
-    # TODO(lead): drop after merge
-    from ..probe.sweep import probe_layers
-
-    name = "val_splits" if "val_splits" in inspect.signature(probe_layers).parameters else "seeds"
-    return {name: n}
 
 
 def write_results(results: ProbeResults, out: Path) -> None:

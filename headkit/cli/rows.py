@@ -14,21 +14,24 @@ from typing import Any
 import torch
 
 from ..config import HeadConfig
-from ..data.encoding import IGNORE_INDEX, align_labels, as_class, encode_texts, encode_words
+from ..data.encoding import align_labels, as_class, encode_texts, encode_words
 from ..errors import ConfigError
+from ..losses.objective import IGNORE_INDEX, target_rules
 from .datafiles import as_list, as_number
 
 
 def _targets(configs: list[HeadConfig]) -> dict[str, dict[str, bool]]:
-    """Per target: whether it is token-level and whether it holds classes."""
+    """Per target: whether it is token-level and whether it holds classes (the label rule:
+    ``losses.objective.target_rules``; binary targets are read as numbers)."""
     out: dict[str, dict[str, bool]] = {}
-    for c in configs:
-        kind = {"token": not c.pred_for_sequence, "classes": c.task == "classification"}
-        if out.setdefault(c.target, kind) != kind:
+    for target, rule in target_rules(configs).items():
+        classes = {r.task == "classification" for r in rule.heads.values()}
+        if len(classes) > 1:
             raise ConfigError(
-                f"heads on target {c.target!r} disagree on token-level or class labels; "
-                "give them different targets"
+                f"heads {sorted(rule.heads)} on target {target!r} disagree on class labels "
+                "(a classifier and a binary or regression head); give them different targets"
             )
+        out[target] = {"token": rule.layout == "token", "classes": classes.pop()}
     return out
 
 
