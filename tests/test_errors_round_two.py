@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, build_tiny
+from conftest import HIDDEN, build_tiny
 from test_errors import Case, assert_clear_error
-from transformers import RobertaConfig, RobertaModel, TrainingArguments
+from transformers import TrainingArguments
 
 from headkit import (
     BatchError,
@@ -47,17 +47,8 @@ def _bert(*heads: HeadConfig) -> HeadedModel:
 
 
 def _roberta() -> HeadedModel:
-    torch.manual_seed(0)
-    cfg = RobertaConfig(
-        num_hidden_layers=2,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_attention_heads=4,
-        max_position_embeddings=66,  # positions 2..65: at most 64 tokens
-        vocab_size=VOCAB,
-        pad_token_id=1,
-    )
-    return HeadedModel(RobertaModel(cfg).eval(), [HeadConfig("t")])
+    """RoBERTa numbers positions from padding_idx + 1: at most 64 tokens."""
+    return HeadedModel(build_tiny("roberta", num_layers=2), [HeadConfig("t")])
 
 
 def _with_loss_free_head(**kwargs: Any) -> HeadedModel:

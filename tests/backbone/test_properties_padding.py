@@ -18,10 +18,10 @@ from functools import cache
 
 import pytest
 import torch
-from conftest import VOCAB
+from conftest import VOCAB, build_tiny
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_padding_invariance import FILLER, build
+from test_padding_invariance import FILLER
 
 from headkit import POOLINGS, HeadConfig, HeadedCollator, HeadedModel, HeadkitError
 
@@ -52,7 +52,7 @@ def _one_thread():
 @cache
 def backbone(arch: str, dtype: torch.dtype) -> torch.nn.Module:
     """Built once per (arch, dtype); HeadedModel only freezes it, so sharing it is safe."""
-    return build(arch).to(dtype)
+    return build_tiny(arch, num_layers=2).to(dtype)
 
 
 # ---------------------------------------------------------------------- strategies
