@@ -1,6 +1,7 @@
-"""Bad input, round two (issue 14): every input that gave a silent wrong number or an internal
-exception now works as documented or gets a headkit error naming the field, the value and
-what is allowed. One row of docs/errors.md per case below; the case id is the row.
+"""Bad input that could pass unnoticed: every input that might give a silent wrong number or
+an internal exception either works as documented or gets a headkit error naming the field,
+the value and what is allowed. One row of docs/errors.md per case below; the case id is the
+row.
 
 Cases follow tests/test_errors.py: each builds the bad input, names the error type and lists
 regexes that must all match the message. What is *accepted* (heads named like module
@@ -361,7 +362,7 @@ def test_case_ids_are_unique():
     assert len(ids) == len(set(ids))
 
 
-# ---------------------------------------------------------------------- what now works
+# ---------------------------------------------------------------------- what is accepted
 ATTRIBUTE_NAMES = (
     "type", "values", "keys", "items", "update", "pop", "to", "cuda", "forward", "training",
     "state_dict", "_modules", "heads",
@@ -483,7 +484,7 @@ def test_headed_trainer_evaluates_loss_free_heads(tmp_path):
     )
     metrics = trainer.evaluate()  # the loss-free head's labels do not reach the model call
     assert "eval_cls2_accuracy" in metrics and "eval_cls_loss" in metrics
-    # HeadwiseMetrics scores heads that learn (issue 10); evaluate_head_wise scores all
+    # HeadwiseMetrics scores heads that learn; evaluate_head_wise scores all
     assert not any(k.startswith("eval_emb_") for k in metrics)
 
 

@@ -1,5 +1,5 @@
 """A row gives the same predictions whatever its padding: right, left, or a gap of padding
-between its tokens (issue 14). Encoders included: position ids come from the mask.
+between its tokens. Encoders included: position ids come from the mask.
 
 Each padded batch is compared with every row run alone, unpadded, for a token head and a
 sequence head pooling every way, on GPT-2, Llama, BERT, RoBERTa and DistilBERT. Backbones

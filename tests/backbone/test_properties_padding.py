@@ -1,4 +1,4 @@
-"""Property tests, round two (issue 14): any padding (right, left, gaps), any architecture
+"""Property tests of padding and names: any padding (right, left, gaps), any architecture
 (GPT-2 and Llama decoders; BERT, RoBERTa and DistilBERT encoders), float32, float16 and
 bfloat16 backbones, any pooling and head names from a wide alphabet give either a correct
 result or a headkit error, never another exception.
@@ -37,7 +37,7 @@ ARCHS = ("gpt2", "llama", "bert", "roberta", "distilbert")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: How far a padded row may drift from the same row alone: the backbone's rounding (batch
 #: shapes may change the order of its sums), carried through a float32 head. Measured on CPU:
-#: under 5e-7 in every dtype; a wrong position moves predictions by 0.3-0.96 (issue 14).
+#: under 5e-7 in every dtype; a wrong position moves predictions by 0.3-0.96.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 

@@ -1,5 +1,5 @@
 """Checkpoints never lose a user's file, never run a checkpoint's code, and refuse what they
-cannot verify (issue 9): data loss and code execution first, then concurrent saves, then
+cannot verify: data loss and code execution first, then concurrent saves, then
 malformed manifests, the size guard and feature-cache manifests.
 """
 
@@ -125,7 +125,7 @@ def test_saving_never_deletes_a_users_file(tmp_path, model, name, kind):
 
 def test_saving_heads_back_keeps_the_backbone_folder_they_were_loaded_from(tmp_path, model):
     """load_headed(ckpt/backbone-*) then save into ckpt: the backbone is referenced in place
-    and must survive (it used to be deleted, and the checkpoint no longer loaded)."""
+    and must survive, or the checkpoint would no longer load."""
     folder = tmp_path / "ckpt"
     model.save_pretrained(folder)
     backbone = next(folder.glob("backbone-*"))
@@ -370,7 +370,7 @@ def test_a_head_renamed_like_a_module_attribute_is_a_checkpoint_error_not_a_key_
     tmp_path, model
 ):
     # heads may be named "type", "to", ... (HeadDict); a manifest renaming one no longer
-    # matches its weights, which the error says (it used to be nn.ModuleDict's KeyError)
+    # matches its weights, which the error says (not nn.ModuleDict's KeyError)
     folder = tmp_path / "ckpt"
     model.save_pretrained(folder)
     MALFORMED["head-named-type"](folder)

@@ -181,8 +181,8 @@ def test_pooling_never_writes_into_hidden_states(name: str) -> None:
 
 
 def test_half_precision_input_is_pooled_in_float32_and_accurately() -> None:
-    """Averages of half-precision states come back in float32 (issue 14: a mean_sqrt_len of
-    4,096 tokens of 2,000 is 128,000, beyond float16); selections keep their dtype."""
+    """Averages of half-precision states come back in float32 (a mean_sqrt_len of 4,096
+    tokens of 2,000 is 128,000, beyond float16's range); selections keep their dtype."""
     mask = _mask(LENGTHS, 6, "left")
     hidden = _hidden(mask, pad_value=0.0) * 100
     pool = SequencePooling(["mean", "weighted_mean", "max"], HIDDEN)

@@ -1,4 +1,4 @@
-"""Hugging Face habits (issue 10): Trainer metrics and collators the usual way, gradient
+"""Hugging Face habits: Trainer metrics and collators the usual way, gradient
 checkpointing and the other PreTrainedModel conveniences, idle heads left alone, frozen
 backbones in eval mode, Trainer robustness, datasets columns.
 
