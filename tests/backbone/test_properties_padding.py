@@ -6,12 +6,14 @@ result or a headkit error, never another exception.
 Correct means: each row's predictions in the padded batch equal the row's predictions run
 alone and unpadded (within the backbone dtype's rounding), and heads named anything
 ``HeadConfig`` allows train, appear in the signature Trainer reads, collate, save and load.
-Hypothesis runs derandomised, so CI sees the same examples every time.
+Hypothesis runs derandomised, so CI sees the same examples every time; every (architecture,
+dtype) also gets one explicit left-padded batch with gaps.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import string
 import tempfile
 from functools import cache
@@ -19,7 +21,7 @@ from functools import cache
 import pytest
 import torch
 from conftest import VOCAB, build_tiny
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from test_padding_invariance import FILLER
 
@@ -98,8 +100,18 @@ def padded_rows(draw) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
     return rows, torch.tensor(all_ids), torch.tensor(all_mask)
 
 
+#: Left padding with a gap inside two of the rows: tried on every (arch, dtype), whatever
+#: the random examples happen to draw.
+F = FILLER
+LEFT_WITH_GAPS = (
+    [[5, 6, 7, 8], [9], [10, 11, 12]],
+    torch.tensor([[F, 5, 6, F, 7, 8], [F, F, F, F, F, 9], [F, F, 10, F, 11, 12]]),
+    torch.tensor([[0, 1, 1, 0, 1, 1], [0, 0, 0, 0, 0, 1], [0, 0, 1, 0, 1, 1]]),
+)
+
+
 # ---------------------------------------------------------------------- properties
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(
     arch=st.sampled_from(ARCHS),
     dtype=st.sampled_from(DTYPES),
@@ -136,6 +148,17 @@ def test_any_padding_predicts_each_row_as_alone_or_raises_a_headkit_error(
         torch.testing.assert_close(padded[seq][i], want[seq][0], atol=tol, rtol=tol)
         real = padded[tok][i][mask[i].bool()]
         torch.testing.assert_close(real, want[tok][0], atol=tol, rtol=tol)
+
+
+for _arch, _dtype in itertools.product(ARCHS, DTYPES):
+    test_any_padding_predicts_each_row_as_alone_or_raises_a_headkit_error = example(
+        arch=_arch,
+        dtype=_dtype,
+        batch=LEFT_WITH_GAPS,
+        pooling="mean+last+first",
+        names=["tok", "seq"],
+        layer=-1,
+    )(test_any_padding_predicts_each_row_as_alone_or_raises_a_headkit_error)
 
 
 @settings(max_examples=25, **SETTINGS)
