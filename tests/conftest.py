@@ -11,6 +11,7 @@ with ``AutoModel.from_pretrained(minilm_path())`` to train or change it).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,13 @@ def build_tiny(
     else:
         model = getattr(transformers, TASKS[task]).from_config(config, **(model_kwargs or {}))
     return model.eval()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist the workers share the cores: each gets its share of torch threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def blocks_of(model: PreTrainedModel) -> torch.nn.ModuleList:

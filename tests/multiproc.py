@@ -40,7 +40,8 @@ milliseconds because they inherit this process's imports (Linux)::
     child.join(); child.exitcode
 
 The child runs on one thread (a forked OpenMP pool must not be used), with its stdout and
-stderr in ``log``, and leaves with ``os._exit`` so nothing of pytest runs in it.
+stderr in ``log`` (or discarded), and leaves with ``os._exit`` so nothing of pytest runs in
+it; an exception in ``target`` is printed there and makes the exit code 1.
 """
 
 from __future__ import annotations
@@ -181,15 +182,15 @@ def finish() -> None:
 def _forked(target: Callable[..., Any], args: tuple, log: Path | None) -> None:
     import torch
 
-    torch.set_num_threads(1)
     code = 0
     try:
-        if log is not None:
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-            sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+        # Never the parent's fds 1 and 2: under pytest-xdist they may carry its channel.
+        fd = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+        torch.set_num_threads(1)
         target(*args)
     except BaseException:
         import traceback
@@ -203,7 +204,8 @@ def _forked(target: Callable[..., Any], args: tuple, log: Path | None) -> None:
 
 
 def fork(target: Callable[..., Any], *args: Any, log: Path | None = None):
-    """Start ``target(*args)`` in a forked child (Linux); returns the started Process."""
+    """Start ``target(*args)`` in a forked child (Linux), its output in ``log`` (discarded
+    when None); returns the started ``multiprocessing.Process``."""
     context = multiprocessing.get_context("fork")
     child = context.Process(target=_forked, args=(target, args, log), daemon=True)
     child.start()
