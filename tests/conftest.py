@@ -4,9 +4,10 @@ Tiny models are built from configs (nothing is downloaded), seeded, in eval mode
 for every call, so a test may train or change them. ``build_tiny(arch, num_layers, task=...,
 **overrides)`` builds any architecture the tests use (``TINY`` lists them) as its default
 class or for a task; ``tiny_config`` gives the config alone. ``tiny_gpt2`` / ``tiny_llama`` /
-``tiny_bert`` are the common fixtures. The real MiniLM (as a model and as a
-SentenceTransformer) is loaded once per session: treat it as read-only (load your own copy
-with ``AutoModel.from_pretrained(minilm_path())`` to train or change it).
+``tiny_bert`` are the common fixtures. The real models are loaded once per session and
+are read-only: ``minilm`` (model, tokenizer), ``minilm_tokenizer``, ``minilm_st`` (as a
+SentenceTransformer) and ``smollm2``; load your own copy to train or change one.
+Multi-process tests use tests/multiproc.py.
 """
 
 from __future__ import annotations
