@@ -29,8 +29,11 @@ demo: $(VENV)/.installed
 	$(PIP) install -q -e ".[cli]"
 	HF_HUB_OFFLINE=1 $(PY) -m headkit demo
 
+# Two pytest-xdist workers, a test module per worker at a time (module fixtures run once);
+# TEST_WORKERS=0 runs in this one process (as plain `python -m pytest -q` does).
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-dev
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

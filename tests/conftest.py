@@ -1,25 +1,30 @@
-"""Shared fixtures: tiny randomly initialised GPT-2 / Llama / BERT, and the packaged MiniLM.
+"""Shared fixtures and the one factory of tiny random models every test builds from.
 
 Tiny models are built from configs (nothing is downloaded), seeded, in eval mode, and fresh
-for every test, so a test may train or change them. ``make_tiny`` builds any of them with a
-chosen depth; ``tiny_gpt2`` / ``tiny_llama`` / ``tiny_bert`` are the common shortcuts.
-The real MiniLM is loaded once per session: treat it as read-only (load your own copy with
-``AutoModel.from_pretrained(minilm_path())`` to train or change it).
+for every call, so a test may train or change them. ``build_tiny(arch, num_layers, task=...,
+**overrides)`` builds any architecture the tests use (``TINY`` lists them) as its default
+class or for a task; ``tiny_config`` gives the config alone. ``tiny_gpt2`` / ``tiny_llama`` /
+``tiny_bert`` are the common fixtures. The real models are loaded once per session and
+are read-only: ``minilm`` (model, tokenizer), ``minilm_tokenizer``, ``minilm_st`` (as a
+SentenceTransformer) and ``smollm2``; load your own copy to train or change one.
+Multi-process tests use tests/multiproc.py.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
+import transformers
 from transformers import (
-    BertConfig,
     BertModel,
-    GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
 )
 
@@ -27,53 +32,121 @@ from transformers import (
 VOCAB = 100
 HIDDEN = 32
 PAD = 2
+#: The three architectures most tests run on (``tiny_any`` gives each in turn).
 ARCHS = ("gpt2", "llama", "bert")
 
 
-def build_tiny(arch: str, num_layers: int = 3, seed: int = 0) -> PreTrainedModel:
-    """A tiny random model in eval mode: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or
-    ``BertModel`` (hidden 32, vocab 100; decoders use pad == eos == 2)."""
+@dataclass(frozen=True)
+class TinyArch:
+    """How ``build_tiny`` makes one architecture: its config class, the model class built
+    when no task is asked for, the config values beyond the shared sizes, and the names of
+    its dropout probabilities (``build_tiny(..., dropout=0.0)`` sets them all)."""
+
+    config: str
+    default: str
+    values: dict[str, Any] = field(default_factory=dict)
+    dropouts: tuple[str, ...] = ()
+
+
+#: Shared by every architecture (the configs map these names to their own, e.g. n_embd).
+SHARED = {
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "vocab_size": VOCAB,
+}
+_DECODER_IDS = {"bos_token_id": 1, "eos_token_id": PAD, "pad_token_id": PAD}
+_BERT_DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+TINY = {
+    "gpt2": TinyArch(
+        "GPT2Config", "GPT2LMHeadModel", _DECODER_IDS, ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+    ),
+    "llama": TinyArch(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"intermediate_size": 64, "num_key_value_heads": 2, **_DECODER_IDS},
+        ("attention_dropout",),
+    ),
+    "bert": TinyArch(
+        "BertConfig", "BertModel", {"intermediate_size": 64, "pad_token_id": 0}, _BERT_DROPOUTS
+    ),
+    # RoBERTa numbers positions from padding_idx + 1: 66 rows give 64 positions.
+    "roberta": TinyArch(
+        "RobertaConfig",
+        "RobertaModel",
+        {"intermediate_size": 64, "max_position_embeddings": 66, "pad_token_id": 1},
+        _BERT_DROPOUTS,
+    ),
+    "distilbert": TinyArch(
+        "DistilBertConfig",
+        "DistilBertModel",
+        {"hidden_dim": 64, "pad_token_id": 0},
+        ("dropout", "attention_dropout"),
+    ),
+    # Bloom (ALiBi) has no position table and its forward takes no position_ids.
+    "bloom": TinyArch(
+        "BloomConfig",
+        "BloomModel",
+        {"max_position_embeddings": None},
+        ("hidden_dropout", "attention_dropout"),
+    ),
+}
+#: ``task`` of ``build_tiny``: the Auto class that builds the model for it.
+TASKS = {
+    "base": "AutoModel",
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+}
+
+
+def tiny_config(
+    arch: str, num_layers: int = 3, *, dropout: float | None = None, **overrides: Any
+) -> PretrainedConfig:
+    """The config of a tiny ``arch`` (see ``TINY``) with ``num_layers`` blocks; ``overrides``
+    are config fields, by the config's own name or the common one (``hidden_size``,
+    ``num_attention_heads``, ...); ``dropout`` sets every dropout probability of ``arch``."""
+    if arch not in TINY:
+        raise ValueError(f"arch={arch!r} is unknown; allowed: {', '.join(TINY)}")
+    spec = TINY[arch]
+    values = {**SHARED, **spec.values, "num_hidden_layers": num_layers}
+    if dropout is not None:
+        values.update(dict.fromkeys(spec.dropouts, dropout))
+    values.update(overrides)
+    values = {k: v for k, v in values.items() if not (k in SHARED and v is None)}
+    return getattr(transformers, spec.config)(**values)
+
+
+def build_tiny(
+    arch: str,
+    num_layers: int = 3,
+    *,
+    seed: int = 0,
+    task: str | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    dropout: float | None = None,
+    **overrides: Any,
+) -> PreTrainedModel:
+    """A tiny random ``arch`` in eval mode, seeded with ``seed``: the architecture's default
+    class (GPT2LMHeadModel, LlamaForCausalLM, BertModel, RobertaModel, DistilBertModel,
+    BloomModel) or the class for ``task`` (one of ``TASKS``). Hidden 32, vocab 100, 4
+    attention heads, 64 positions; decoders use bos 1 and pad == eos == 2. ``overrides`` and
+    ``dropout`` go to ``tiny_config``, ``model_kwargs`` to the model class."""
+    config = tiny_config(arch, num_layers, dropout=dropout, **overrides)
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task={task!r} is unknown; allowed: {', '.join(TASKS)}")
     torch.manual_seed(seed)
-    if arch == "gpt2":
-        cfg = GPT2Config(
-            n_layer=num_layers,
-            n_embd=HIDDEN,
-            n_head=4,
-            n_positions=64,
-            vocab_size=VOCAB,
-            bos_token_id=1,
-            eos_token_id=PAD,
-            pad_token_id=PAD,
-        )
-        model = GPT2LMHeadModel(cfg)
-    elif arch == "llama":
-        cfg = LlamaConfig(
-            num_hidden_layers=num_layers,
-            hidden_size=HIDDEN,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            vocab_size=VOCAB,
-            bos_token_id=1,
-            eos_token_id=PAD,
-            pad_token_id=PAD,
-        )
-        model = LlamaForCausalLM(cfg)
-    elif arch == "bert":
-        cfg = BertConfig(
-            num_hidden_layers=num_layers,
-            hidden_size=HIDDEN,
-            intermediate_size=64,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            vocab_size=VOCAB,
-            pad_token_id=0,
-        )
-        model = BertModel(cfg)
+    if task is None:
+        model = getattr(transformers, TINY[arch].default)(config, **(model_kwargs or {}))
     else:
-        raise ValueError(f"arch={arch!r} is unknown; allowed: {', '.join(ARCHS)}")
+        model = getattr(transformers, TASKS[task]).from_config(config, **(model_kwargs or {}))
     return model.eval()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist the workers share the cores: each gets its share of torch threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def blocks_of(model: PreTrainedModel) -> torch.nn.ModuleList:
@@ -136,13 +209,60 @@ def token_batch() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="session")
-def minilm():
-    """(model, tokenizer) of the packaged all-MiniLM-L6-v2, loaded once; read-only."""
-    from transformers import AutoModel, AutoTokenizer
+def minilm_tokenizer():
+    """The packaged all-MiniLM-L6-v2 tokenizer (BERT WordPiece, 30522 tokens), loaded once."""
+    from transformers import AutoTokenizer
 
     from headkit.packaged import minilm_path
 
-    path = minilm_path()
-    model = AutoModel.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return AutoTokenizer.from_pretrained(minilm_path())
+
+
+@pytest.fixture(scope="session")
+def minilm(minilm_tokenizer):
+    """(model, tokenizer) of the packaged all-MiniLM-L6-v2, loaded once; read-only."""
+    from transformers import AutoModel
+
+    from headkit.packaged import minilm_path
+
+    return AutoModel.from_pretrained(minilm_path()).eval(), minilm_tokenizer
+
+
+@pytest.fixture(scope="session")
+def minilm_st():
+    """The packaged all-MiniLM-L6-v2 as a SentenceTransformer (Transformer → Pooling(mean) →
+    Normalize), loaded once; read-only."""
+    import warnings
+
+    from sentence_transformers import SentenceTransformer
+
+    from headkit.packaged import minilm_path
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SentenceTransformer(str(minilm_path()), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The packaged SmolLM2-135M-Instruct, de-quantised from GGUF to float32, loaded once;
+    read-only. transformers parses the GGUF file twice (config, then weights) and builds
+    gguf's tensor-name map once per module of the model (~400 times): both are pure
+    functions of their arguments, so they are memoised during the load (the same weights,
+    bit for bit, in 40% of the time)."""
+    import functools
+    from unittest import mock
+
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from headkit.packaged import SMOLLM2_GGUF, smollm2_path
+
+    reader = functools.cache(gguf.GGUFReader)
+    name_map = functools.cache(gguf.get_tensor_name_map)
+    with (
+        mock.patch.object(gguf, "GGUFReader", reader),
+        mock.patch.object(gguf, "get_tensor_name_map", name_map),
+    ):
+        model = AutoModelForCausalLM.from_pretrained(smollm2_path(), gguf_file=SMOLLM2_GGUF)
+    return model.eval()

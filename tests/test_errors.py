@@ -594,7 +594,7 @@ CHECKPOINT_CASES = [
         (r"heads-\w+\.safetensors' is corrupt or truncated", r"sha256 differs"),
     ),
     Case(
-        # issue 9: a missing checksum is refused (it used to switch verification off)
+        # a missing checksum is refused, never read as "do not verify"
         "weights-checksum-missing",
         "head_configs.json without weights_sha256 (even before a truncated file is read)",
         lambda p: (_no_checksum_then_truncate(p), _load(p)),

@@ -1,6 +1,7 @@
-"""Bad input, round two (issue 14): every input that gave a silent wrong number or an internal
-exception now works as documented or gets a headkit error naming the field, the value and
-what is allowed. One row of docs/errors.md per case below; the case id is the row.
+"""Bad input that could pass unnoticed: every input that might give a silent wrong number or
+an internal exception either works as documented or gets a headkit error naming the field,
+the value and what is allowed. One row of docs/errors.md per case below; the case id is the
+row.
 
 Cases follow tests/test_errors.py: each builds the bad input, names the error type and lists
 regexes that must all match the message. What is *accepted* (heads named like module
@@ -15,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, build_tiny
+from conftest import HIDDEN, build_tiny
 from test_errors import Case, assert_clear_error
-from transformers import RobertaConfig, RobertaModel, TrainingArguments
+from transformers import TrainingArguments
 
 from headkit import (
     BatchError,
@@ -47,17 +48,8 @@ def _bert(*heads: HeadConfig) -> HeadedModel:
 
 
 def _roberta() -> HeadedModel:
-    torch.manual_seed(0)
-    cfg = RobertaConfig(
-        num_hidden_layers=2,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_attention_heads=4,
-        max_position_embeddings=66,  # positions 2..65: at most 64 tokens
-        vocab_size=VOCAB,
-        pad_token_id=1,
-    )
-    return HeadedModel(RobertaModel(cfg).eval(), [HeadConfig("t")])
+    """RoBERTa numbers positions from padding_idx + 1: at most 64 tokens."""
+    return HeadedModel(build_tiny("roberta", num_layers=2), [HeadConfig("t")])
 
 
 def _with_loss_free_head(**kwargs: Any) -> HeadedModel:
@@ -370,7 +362,7 @@ def test_case_ids_are_unique():
     assert len(ids) == len(set(ids))
 
 
-# ---------------------------------------------------------------------- what now works
+# ---------------------------------------------------------------------- what is accepted
 ATTRIBUTE_NAMES = (
     "type", "values", "keys", "items", "update", "pop", "to", "cuda", "forward", "training",
     "state_dict", "_modules", "heads",
@@ -492,7 +484,7 @@ def test_headed_trainer_evaluates_loss_free_heads(tmp_path):
     )
     metrics = trainer.evaluate()  # the loss-free head's labels do not reach the model call
     assert "eval_cls2_accuracy" in metrics and "eval_cls_loss" in metrics
-    # HeadwiseMetrics scores heads that learn (issue 10); evaluate_head_wise scores all
+    # HeadwiseMetrics scores heads that learn; evaluate_head_wise scores all
     assert not any(k.startswith("eval_emb_") for k in metrics)
 
 

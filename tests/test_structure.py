@@ -1,6 +1,6 @@
 """Structure: one objective, one restore path, one input stage, head kinds, shared poolings.
 
-Each test pins a rule that used to live in several copies that disagreed.
+Each test pins a rule that lives in one place, so that its callers cannot disagree.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A row gives the same predictions whatever its padding: right, left, or a gap of padding
-between its tokens (issue 14). Encoders included: position ids come from the mask.
+between its tokens. Encoders included: position ids come from the mask.
 
 Each padded batch is compared with every row run alone, unpadded, for a token head and a
 sequence head pooling every way, on GPT-2, Llama, BERT, RoBERTa and DistilBERT. Backbones
@@ -13,16 +13,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, build_tiny
-from transformers import (
-    BertModel,
-    BloomConfig,
-    BloomModel,
-    DistilBertConfig,
-    DistilBertModel,
-    RobertaConfig,
-    RobertaModel,
-)
+from conftest import build_tiny
+from transformers import BertModel
 
 from headkit import BatchError, HeadConfig, HeadedModel
 from headkit.backbone.inputs import prepare_inputs
@@ -42,35 +34,6 @@ HEADS = [
         pooling="mean+max+first+last+weighted_mean+mean_sqrt_len",
     ),
 ]
-
-
-def build(arch: str) -> torch.nn.Module:
-    """The shared tiny models, plus a tiny RoBERTa (positions offset by padding_idx + 1) and
-    DistilBERT, all with 2 blocks."""
-    torch.manual_seed(0)
-    if arch == "roberta":
-        cfg = RobertaConfig(
-            num_hidden_layers=2,
-            hidden_size=HIDDEN,
-            intermediate_size=64,
-            num_attention_heads=4,
-            max_position_embeddings=66,  # 64 positions after the offset of padding_idx + 1
-            vocab_size=VOCAB,
-            pad_token_id=1,
-        )
-        return RobertaModel(cfg).eval()
-    if arch == "distilbert":
-        cfg = DistilBertConfig(
-            n_layers=2,
-            dim=HIDDEN,
-            hidden_dim=64,
-            n_heads=4,
-            max_position_embeddings=64,
-            vocab_size=VOCAB,
-            pad_token_id=0,
-        )
-        return DistilBertModel(cfg).eval()
-    return build_tiny(arch, num_layers=2)
 
 
 def padded(rows: list[list[int]], layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +61,7 @@ def padded(rows: list[list[int]], layout: str) -> tuple[torch.Tensor, torch.Tens
 
 @pytest.fixture(scope="module", params=ARCHS)
 def headed(request) -> HeadedModel:
-    return HeadedModel(build(request.param), HEADS).eval()
+    return HeadedModel(build_tiny(request.param, num_layers=2), HEADS).eval()
 
 
 @pytest.mark.parametrize("layout", ["right", "left", "gap"])
@@ -120,7 +83,7 @@ def test_a_row_predicts_the_same_whatever_its_padding(headed: HeadedModel, layou
 def test_right_padding_keeps_the_encoders_own_positions(arch: str):
     """Right-padded batches get exactly the positions the model would use by default, padded
     positions included (RoBERTa: its own numbering from padding_idx)."""
-    backbone = build(arch)
+    backbone = build_tiny(arch, num_layers=2)
     model = HeadedModel(backbone, HEADS)
     ids, mask = padded(ROWS, "right")
     if arch == "roberta":
@@ -147,13 +110,11 @@ class BertWithoutPositionIds(BertModel):
         )
 
 
-def _bloom() -> BloomModel:
-    torch.manual_seed(0)
-    return BloomModel(BloomConfig(n_layer=2, hidden_size=HIDDEN, n_head=4, vocab_size=VOCAB))
-
-
 def test_without_position_ids_a_gap_is_refused_saying_why():
-    for backbone in (_bloom().eval(), BertWithoutPositionIds(build_tiny("bert").config).eval()):
+    for backbone in (
+        build_tiny("bloom", num_layers=2).eval(),
+        BertWithoutPositionIds(build_tiny("bert").config).eval(),
+    ):
         model = HeadedModel(backbone, HEADS)
         ids, mask = padded(ROWS, "gap")
         with pytest.raises(BatchError) as info:
@@ -178,7 +139,7 @@ def test_without_position_ids_left_padding_warns_once_for_absolute_positions():
 
 def test_without_position_ids_or_table_left_padding_is_exact_and_silent():
     """Bloom (ALiBi) has no absolute positions: left padding changes nothing, no warning."""
-    model = HeadedModel(_bloom().eval(), HEADS)
+    model = HeadedModel(build_tiny("bloom", num_layers=2).eval(), HEADS)
     ids, mask = padded(ROWS, "left")
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("error")

@@ -1,14 +1,15 @@
 """A save interrupted at any moment leaves a checkpoint that loads as exactly v1 or exactly v2.
 
-A real child process builds a tiny model (fixed seed) with a large head (so writes take a
-while), saves v1 into several folders, changes its heads (v2) and saves v2 over each folder.
+A child process (forked: it starts at once with this process's imports) builds a tiny model
+(fixed seed) with a large head (so writes take a while), saves v1 into several folders,
+changes its heads (v2) and saves v2 over each folder.
 
 - At each step of the save protocol (before/after the heads file is renamed into place,
   before the backbone folder is renamed, before/after the manifest commit) the child freezes
   itself with SIGSTOP from inside ``os.replace`` (instrumented in the child only: headkit has
   no test hook). While it is frozen the parent copies the folder: exactly what a SIGKILL at
   that instant leaves on disk (written data is in the page cache, nothing more will be
-  written). The child then continues, so one process (one ~15 s import) covers every step.
+  written). The child then continues, so one process covers every step.
 - The last save is really killed: frozen the same way midway through save_pretrained, the
   child gets SIGKILL. Stopping inside ``os.replace`` makes every kill point deterministic;
   a kill in the middle of writing a temporary file leaves the same state as one just after
@@ -21,20 +22,20 @@ bit-identical to v1 (commit not reached) or to v2 (commit done): never a mix, ne
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from conftest import build_tiny
+from multiproc import fork
+from safetensors.torch import load_file, save_file
 
-from headkit import HeadedModel
+from headkit import HeadConfig, HeadedModel
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/stat").exists() or sys.platform != "linux",
@@ -55,67 +56,59 @@ COMMITTED = [False, False, False, False, True]
 #: backbone written to its temporary folder, manifest not yet replaced.
 KILL_AT = ("backbone-", "before")
 
-CHILD = r"""
-import json, os, signal, sys
-from pathlib import Path
+IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
 
-import torch
-from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2Model
 
-from headkit import HeadConfig, HeadedModel
+def freeze() -> None:
+    """Stop this process; the parent inspects the folders, then sends SIGCONT."""
+    os.kill(os.getpid(), signal.SIGSTOP)
 
-work, stops = Path(sys.argv[1]), json.loads(sys.argv[2])
-torch.set_num_threads(1)
-torch.manual_seed(0)
-config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
-heads = [
-    HeadConfig("big", num_outputs=50_000),  # 6.4 MB of weights: the write takes a while
-    HeadConfig("cls", num_outputs=3, pred_for_sequence=True, pooling="mean"),
-]
-model = HeadedModel(GPT2Model(config), heads).eval()
-ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
-mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
 
-def predictions(name):
+def saving_child(work: Path, stops: list[tuple[str, str]]) -> None:
+    """Save v1 into one folder per stop, then v2 over each, freezing at each stop."""
+    heads = [
+        HeadConfig("big", num_outputs=50_000),  # 6.4 MB of weights: the write takes a while
+        HeadConfig("cls", num_outputs=3, pred_for_sequence=True, pooling="mean"),
+    ]
+    model = HeadedModel(build_tiny("gpt2", num_layers=2, task="base"), heads).eval()
+
+    def predictions(name: str) -> None:
+        with torch.no_grad():
+            save_file(model(IDS, attention_mask=MASK).preds_by_head, str(work / name))
+
+    for k in range(len(stops)):
+        model.save_pretrained(work / f"ckpt{k}")
+    predictions("v1.safetensors")
     with torch.no_grad():
-        save_file(model(ids, attention_mask=mask).preds_by_head, str(work / name))
+        for p in model.heads.parameters():
+            p.mul_(-0.5).add_(0.01)
+    predictions("v2.safetensors")
+    freeze()  # ready: every folder holds v1
 
-def freeze():
-    os.kill(os.getpid(), signal.SIGSTOP)  # the parent inspects, then sends SIGCONT
+    real_replace, stop = os.replace, None
 
-for k in range(len(stops)):
-    model.save_pretrained(work / f"ckpt{k}")
-predictions("v1.safetensors")
-with torch.no_grad():
-    for p in model.heads.parameters():
-        p.mul_(-0.5).add_(0.01)
-predictions("v2.safetensors")
-freeze()  # ready: every folder holds v1
+    def replace(src, dst):
+        hit = stop is not None and Path(dst).name.startswith(stop[0])
+        if hit and stop[1] == "before":
+            freeze()
+        real_replace(src, dst)
+        if hit and stop[1] == "after":
+            freeze()
 
-real_replace, stop = os.replace, None
-
-def replace(src, dst):
-    hit = stop is not None and Path(dst).name.startswith(stop[0])
-    if hit and stop[1] == "before":
-        freeze()
-    real_replace(src, dst)
-    if hit and stop[1] == "after":
-        freeze()
-
-os.replace = replace
-for k, stop in enumerate(stops):  # the parent kills the child at the last stop
-    model.save_pretrained(work / f"ckpt{k}")
-print("the last save completed: the child was not killed", flush=True)
-"""
+    os.replace = replace  # in the child only: headkit has no test hook
+    for k, current in enumerate(stops):  # the parent kills the child at the last stop
+        stop = current  # what replace() reads
+        model.save_pretrained(work / f"ckpt{k}")
+    print("the last save completed: the child was not killed", flush=True)
 
 
-def wait_until_stopped(child: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
+def wait_until_stopped(child, log: Path, timeout: float = 300.0) -> None:
     """Block until the child is in state T (stopped); fail with its log if it exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if child.poll() is not None:
-            pytest.fail(f"child exited with {child.returncode}:\n{log.read_text()[-3000:]}")
+        if not child.is_alive():
+            pytest.fail(f"child exited with {child.exitcode}:\n{log.read_text()[-3000:]}")
         state = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         if state in ("T", "t"):
             return
@@ -138,17 +131,9 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def interrupted(tmp_path_factory) -> dict:
     """Run the child once; return the folder copies left at each stop and the killed folder."""
     work = tmp_path_factory.mktemp("atomic")
-    script, log = work / "child.py", work / "child.log"
-    script.write_text(CHILD)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    log = work / "child.log"
     stops = [*STOPS, KILL_AT]
-    with open(log, "w") as out:
-        child = subprocess.Popen(
-            [sys.executable, str(script), str(work), json.dumps(stops)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    child = fork(saving_child, work, stops, log=log)
     try:
         wait_until_stopped(child, log)  # every folder holds v1
         v1 = [(work / f"ckpt{k}/head_configs.json").read_bytes() for k in range(len(stops))]
@@ -162,11 +147,11 @@ def interrupted(tmp_path_factory) -> dict:
         os.kill(child.pid, signal.SIGCONT)
         wait_until_stopped(child, log)  # frozen inside the last save_pretrained ...
         os.kill(child.pid, signal.SIGKILL)  # ... and killed there
-        child.wait(timeout=60)
+        child.join(timeout=60)
     finally:
-        if child.poll() is None:
+        if child.exitcode is None:
             child.kill()
-            child.wait()
+            child.join()
     killed = work / f"ckpt{len(STOPS)}"
     return {
         "v1": load_file(work / "v1.safetensors"),
@@ -175,12 +160,8 @@ def interrupted(tmp_path_factory) -> dict:
         "committed": committed,
         "killed": killed,
         "killed_committed": (killed / "head_configs.json").read_bytes() != v1[-1],
-        "returncode": child.returncode,
+        "exitcode": child.exitcode,
     }
-
-
-IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
-MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
 
 
 def test_versions_differ(interrupted):
@@ -202,7 +183,7 @@ def test_a_save_stopped_at_each_step_loads_as_exactly_one_version(interrupted, k
 
 
 def test_a_save_killed_midway_loads_as_v1(interrupted, single_thread):
-    assert interrupted["returncode"] == -signal.SIGKILL  # killed, not finished
+    assert interrupted["exitcode"] == -signal.SIGKILL  # killed, not finished
     folder = interrupted["killed"]
     assert list(folder.glob(".tmp-backbone-*")) and len(list(folder.glob("heads-*"))) == 2
     assert not interrupted["killed_committed"]

@@ -120,7 +120,7 @@ def test_frozen_unchanged_backbone_is_referenced_not_copied(tmp_path, gpt2_dir):
 
     manifest = json.loads((tmp_path / "heads_only" / "head_configs.json").read_text())
     assert manifest["backbone"]["kind"] == "reference"
-    # recorded beside the checkpoint, relative to it, so the pair can move (issue 9)
+    # recorded beside the checkpoint, relative to it, so the pair can move
     assert manifest["backbone"]["source"] == {"checkpoint": "../gpt2"}
     assert not list((tmp_path / "heads_only").glob("backbone-*"))
 
@@ -149,8 +149,8 @@ def test_a_trained_backbone_is_saved(tmp_path, gpt2_dir):
     assert manifest["backbone"]["kind"] == "saved"
     loaded = HeadedModel.from_pretrained(tmp_path / "ckpt")
     assert_same_predictions(predict(loaded), expected)
-    # load_headed(path, head_folder_path=) restores the saved backbone too (one restore path;
-    # it used to ignore it silently) ...
+    # load_headed(path, head_folder_path=) restores the saved backbone too (one restore path,
+    # never ignored) ...
     again = load_headed(str(gpt2_dir), head_folder_path=tmp_path / "ckpt")
     assert_same_predictions(predict(again), expected)
     # ... and the trained backbone differs from the original one: the saved copy matters

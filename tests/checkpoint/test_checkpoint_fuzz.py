@@ -188,8 +188,8 @@ def weights_garbage(rng, m, text, w):
 
 
 def weights_header_flips_checksum_recomputed(rng, m, text, w):
-    """The checksum is recomputed over the corrupted file (a missing one is refused since
-    issue 9), so it cannot catch it: the safetensors header itself must be validated."""
+    """The checksum is recomputed over the corrupted file (a missing one is refused), so it
+    cannot catch it: the safetensors header itself must be validated."""
     header_end = 8 + int.from_bytes(w[:8], "little")
     w = _flip(w, rng, rng.randint(1, 3), end=header_end)
     m["weights_sha256"] = hashlib.sha256(w).hexdigest()

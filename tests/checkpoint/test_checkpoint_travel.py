@@ -1,4 +1,4 @@
-"""Checkpoints keep their dtype, fingerprint the backbone cheaply, and travel (issue 9):
+"""Checkpoints keep their dtype, fingerprint the backbone cheaply, and travel:
 package-relative and checkpoint-relative sources, hub ids with their commit, hub
 checkpoints read from a local cache the test builds, and transformers' save keywords.
 """
@@ -83,7 +83,7 @@ def test_heads_come_back_in_the_dtype_they_were_saved_in(tmp_path, gpt2_dir, dty
         else HeadedModel.from_pretrained(tmp_path / "ckpt"),
     ):
         assert {p.dtype for p in loaded.heads.parameters()} == {dtype}
-        assert_same(predict(loaded), expected)  # exact: it used to differ by ~1e-3
+        assert_same(predict(loaded), expected)  # exact, not within ~1e-3
 
 
 @pytest.mark.parametrize("spelling", ["dtype", "torch_dtype"])
@@ -105,7 +105,7 @@ def test_auto_dtype_is_recorded_as_the_dtype_it_resolved_to(tmp_path):
     assert model.backbone.dtype == torch.bfloat16
     perturb(model)
     expected = predict(model)
-    model.save_pretrained(tmp_path / "ckpt")  # used to write "auto", which did not load
+    model.save_pretrained(tmp_path / "ckpt")  # the real dtype, never "auto"
     assert backbone_entry(tmp_path / "ckpt")["dtype"] == "bfloat16"
     assert_same(predict(HeadedModel.from_pretrained(tmp_path / "ckpt")), expected)
 
@@ -247,7 +247,7 @@ def test_load_headed_recognises_a_checkpoint_folder(tmp_path, gpt2_dir):
     perturb(model)
     expected = predict(model)
     model.save_pretrained(tmp_path / "ckpt")
-    loaded = load_headed(tmp_path / "ckpt")  # no head configs: it used to be a ConfigError
+    loaded = load_headed(tmp_path / "ckpt")  # no head configs: read from the checkpoint
     assert sorted(loaded.head_configs) == ["cls", "tok"]
     assert_same(predict(loaded), expected)
 

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+from conftest import VOCAB, build_tiny
+from transformers import PreTrainedModel
 
 from headkit import (
     BatchError,
@@ -19,34 +20,23 @@ from headkit import (
 )
 from headkit.features import predict_on_features
 
-VOCAB = 100
 
-
-def tiny_gpt2(layers: int = 2) -> GPT2Model:
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=layers,
-        n_head=2,
-        n_positions=64,
+def _gpt2(num_layers: int = 2) -> PreTrainedModel:
+    """A tiny GPT2Model (no LM head) with two attention heads and bos == eos == 0."""
+    return build_tiny(
+        "gpt2",
+        num_layers,
+        task="base",
+        num_attention_heads=2,
         bos_token_id=0,
         eos_token_id=0,
+        pad_token_id=None,
     )
-    return GPT2Model(cfg)
 
 
-def tiny_bert() -> BertModel:
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    return BertModel(cfg)
+def _bert() -> PreTrainedModel:
+    """A tiny 2-block BertModel with two attention heads."""
+    return build_tiny("bert", num_layers=2, num_attention_heads=2)
 
 
 def make_rows(n: int = 20, seed: int = 1) -> list[dict]:
@@ -161,7 +151,7 @@ def test_sequence_heads_match_training_through_the_backbone():
             loss_fct="mse",
         ),
     ]
-    model = HeadedModel(tiny_gpt2(), heads)
+    model = HeadedModel(_gpt2(), heads)
     rows = [{k: r[k] for k in ("input_ids", "label", "score")} for r in make_rows()]
     feats = check_equivalence(model, rows, lambda rs: collate(rs, side="left"))
     assert feats.heads["sentiment"]["layout"] == "pooled"
@@ -178,7 +168,7 @@ def test_token_and_attention_pooled_heads_match_training_through_the_backbone():
             "label", layer_hook=1, pred_for_sequence=True, num_outputs=3, pooling="attention"
         ),
     ]
-    model = HeadedModel(tiny_bert(), heads)
+    model = HeadedModel(_bert(), heads)
     rows = [{k: r[k] for k in ("input_ids", "label", "tags")} for r in make_rows()]
     feats = check_equivalence(model, rows, collate)
     n_tokens = sum(len(r["input_ids"]) for r in rows)
@@ -200,7 +190,7 @@ def test_token_and_attention_pooled_heads_match_training_through_the_backbone():
 def test_causal_lm_head_matches_training_through_the_backbone():
     # ignore_pads=False (the LM default): padding does not count because its labels are -100.
     heads = [HeadConfig("lm", is_causal_lm=True, target="lm_labels", num_layers=1)]
-    model = HeadedModel(tiny_gpt2(), heads)
+    model = HeadedModel(_gpt2(), heads)
     rows = [{"input_ids": r["input_ids"]} for r in make_rows()]
     check_equivalence(model, rows, lambda rs: collate(rs, lm=True), epochs=1)
 
@@ -210,7 +200,7 @@ def test_disk_storage_gives_the_same_features_as_memory(tmp_path):
         HeadConfig("tags", layer_hook=1, num_outputs=5),
         HeadConfig("label", pred_for_sequence=True, num_outputs=3, pooling="mean"),
     ]
-    model = HeadedModel(tiny_bert(), heads)
+    model = HeadedModel(_bert(), heads)
     rows = [{k: r[k] for k in ("input_ids", "label", "tags")} for r in make_rows()]
     kw = {"batch_size": 6, "collate_fn": collate, "progress": False}
     mem = cache_features(model, rows, **kw)
@@ -245,7 +235,7 @@ def test_disk_storage_gives_the_same_features_as_memory(tmp_path):
 def test_trainable_backbone_is_refused():
     heads = [HeadConfig("label", pred_for_sequence=True, num_outputs=3)]
     rows = [{k: r[k] for k in ("input_ids", "label")} for r in make_rows(4)]
-    model = HeadedModel(tiny_bert(), heads, freeze_base_model=False)
+    model = HeadedModel(_bert(), heads, freeze_base_model=False)
     with pytest.raises(ConfigError, match="outside the heads require grad.*stale"):
         cache_features(model, rows, collate_fn=collate, progress=False)
     # caching while frozen, then unfreezing a layer before training, is refused as well
@@ -260,7 +250,7 @@ def test_padding_that_counts_in_the_loss_is_refused():
     # ignore_pads=False with real labels at padding: the loss reads padded positions, which
     # a cache of real tokens cannot reproduce.
     heads = [HeadConfig("tags", num_outputs=5, ignore_pads=False)]
-    model = HeadedModel(tiny_bert(), heads)
+    model = HeadedModel(_bert(), heads)
     rows = [{k: r[k] for k in ("input_ids", "tags")} for r in make_rows(6)]
 
     def zero_pad(rs):
@@ -274,7 +264,7 @@ def test_padding_that_counts_in_the_loss_is_refused():
 
 
 def test_progress_bar_and_early_exit(capsys):
-    backbone = tiny_gpt2(layers=3)
+    backbone = _gpt2(num_layers=3)
     model = HeadedModel(backbone, [HeadConfig("label", layer_hook=1, pred_for_sequence=True)])
     calls = []
     handle = backbone.h[1].register_forward_hook(lambda *a: calls.append(1))
@@ -291,10 +281,14 @@ def test_progress_bar_and_early_exit(capsys):
 
 def test_cache_must_match_the_model():
     rows = [{k: r[k] for k in ("input_ids", "label")} for r in make_rows(4)]
-    model = HeadedModel(tiny_bert(), [HeadConfig("label", pred_for_sequence=True, num_outputs=3)])
+    model = HeadedModel(
+        _bert(),
+        [HeadConfig("label", pred_for_sequence=True, num_outputs=3)],
+    )
     feats = cache_features(model, rows, collate_fn=collate, progress=False)
     other = HeadedModel(
-        tiny_bert(), [HeadConfig("label", pred_for_sequence=True, num_outputs=3, pooling="mean")]
+        _bert(),
+        [HeadConfig("label", pred_for_sequence=True, num_outputs=3, pooling="mean")],
     )
     with pytest.raises(ConfigError, match="pooling='first'.*pooling='mean'"):
         train_heads_on_features(other, feats)
@@ -310,7 +304,7 @@ def test_default_collator_pads_examples_as_forward_expects():
         HeadConfig("tags", layer_hook=1, num_outputs=5),
         HeadConfig("label", pred_for_sequence=True, num_outputs=3),
     ]
-    model = HeadedModel(tiny_bert(), heads)
+    model = HeadedModel(_bert(), heads)
     rows = [{k: r[k] for k in ("input_ids", "label", "tags")} for r in make_rows(9)]
     got = cache_features(model, rows, batch_size=4, progress=False)
     want = cache_features(model, rows, batch_size=4, collate_fn=collate, progress=False)

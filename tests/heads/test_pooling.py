@@ -11,14 +11,8 @@ import math
 
 import pytest
 import torch
-from transformers import (
-    BertConfig,
-    BertModel,
-    GPT2Config,
-    GPT2Model,
-    LlamaConfig,
-    LlamaModel,
-)
+from conftest import build_tiny, tiny_config
+from transformers import PreTrainedModel
 from transformers.models.bert.modeling_bert import BertPooler
 
 from headkit import POOLINGS, ConfigError, HeadConfig, HeadedModel, SequencePooling
@@ -50,7 +44,7 @@ def _hidden(mask: torch.Tensor, pad_value: float = 1e6, seed: int = 0) -> torch.
 
 def _bert_pooler() -> BertPooler:
     torch.manual_seed(0)
-    return BertPooler(BertConfig(hidden_size=HIDDEN)).eval()
+    return BertPooler(tiny_config("bert", hidden_size=HIDDEN)).eval()
 
 
 def _reference(name: str, real: torch.Tensor, pool: SequencePooling, pooler) -> torch.Tensor:
@@ -185,8 +179,8 @@ def test_pooling_never_writes_into_hidden_states(name: str) -> None:
 
 
 def test_half_precision_input_is_pooled_in_float32_and_accurately() -> None:
-    """Averages of half-precision states come back in float32 (issue 14: a mean_sqrt_len of
-    4,096 tokens of 2,000 is 128,000, beyond float16); selections keep their dtype."""
+    """Averages of half-precision states come back in float32 (a mean_sqrt_len of 4,096
+    tokens of 2,000 is 128,000, beyond float16's range); selections keep their dtype."""
     mask = _mask(LENGTHS, 6, "left")
     hidden = _hidden(mask, pad_value=0.0) * 100
     pool = SequencePooling(["mean", "weighted_mean", "max"], HIDDEN)
@@ -213,37 +207,16 @@ def test_names_aliases_and_errors() -> None:
 
 
 # ---------------------------------------------------------------------- in HeadedModel
-def _gpt2() -> GPT2Model:
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=100, n_embd=HIDDEN * 2, n_layer=2, n_head=2, n_positions=32)
-    return GPT2Model(cfg).eval()
+def _gpt2() -> PreTrainedModel:
+    return build_tiny("gpt2", num_layers=2, task="base")
 
 
-def _llama() -> LlamaModel:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return LlamaModel(cfg).eval()
+def _llama() -> PreTrainedModel:
+    return build_tiny("llama", num_layers=2, task="base")
 
 
-def _bert(pooling_layer: bool = True) -> BertModel:
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    return BertModel(cfg, add_pooling_layer=pooling_layer).eval()
+def _bert(pooling_layer: bool = True) -> PreTrainedModel:
+    return build_tiny("bert", num_layers=2, model_kwargs={"add_pooling_layer": pooling_layer})
 
 
 def _seq_head(name: str, **kw) -> HeadConfig:

@@ -12,18 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    AutoModel,
-    BertConfig,
-    BertForSequenceClassification,
-    GPT2Config,
-    GPT2ForSequenceClassification,
-    LlamaConfig,
-    LlamaForSequenceClassification,
-)
+from conftest import build_tiny
+from transformers import PreTrainedModel
 
 from headkit import HeadConfig, HeadedModel
-from headkit.packaged import minilm_path
 
 NUM_LABELS = 3
 PAD = 0
@@ -65,17 +57,7 @@ def _random_seqs(lengths: list[int], seed: int, low: int = 3) -> list[list[int]]
 
 # ---------------------------------------------------------------------- BERT
 def test_bert_pooler_head_equals_bert_for_sequence_classification() -> None:
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        num_labels=NUM_LABELS,
-    )
-    peer = BertForSequenceClassification(cfg).eval()
+    peer = build_tiny("bert", num_layers=2, task="sequence-classification", num_labels=NUM_LABELS)
     model = HeadedModel(peer, [_seq_head("pooler", output_bias=True)]).eval()
     _copy_linear(model.heads["cls"].linears[0], peer.classifier)
     ids, mask = _padded(_random_seqs([7, 3, 1, 5], seed=1), "right", PAD)
@@ -90,41 +72,19 @@ def test_bert_pooler_head_equals_bert_for_sequence_classification() -> None:
 
 
 # ---------------------------------------------------------------------- decoders
-def _gpt2_peer(pad: int, eos: int) -> GPT2ForSequenceClassification:
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=100,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=32,
+def _peer(arch: str, pad: int, eos: int) -> PreTrainedModel:
+    """A tiny ``arch``ForSequenceClassification whose pad and eos ids are ``pad`` and ``eos``."""
+    return build_tiny(
+        arch,
+        num_layers=2,
+        task="sequence-classification",
         num_labels=NUM_LABELS,
         pad_token_id=pad,
         eos_token_id=eos,
-        bos_token_id=eos,
     )
-    return GPT2ForSequenceClassification(cfg).eval()
 
 
-def _llama_peer(pad: int, eos: int) -> LlamaForSequenceClassification:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        num_labels=NUM_LABELS,
-        pad_token_id=pad,
-        eos_token_id=eos,
-        bos_token_id=1,
-    )
-    return LlamaForSequenceClassification(cfg).eval()
-
-
-PEERS = {"gpt2": _gpt2_peer, "llama": _llama_peer}
+PEERS = ("gpt2", "llama")
 
 
 def _headed(peer) -> HeadedModel:
@@ -143,9 +103,9 @@ def _compare(peer, model: HeadedModel, ids: torch.Tensor, mask: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("arch", list(PEERS))
+@pytest.mark.parametrize("arch", PEERS)
 def test_last_token_head_equals_decoder_for_sequence_classification(arch: str, side: str) -> None:
-    peer = PEERS[arch](pad=PAD, eos=2)
+    peer = _peer(arch, pad=PAD, eos=2)
     model = _headed(peer)
     ids, mask = _padded(_random_seqs([6, 2, 1, 4], seed=2), side, PAD)
     _compare(peer, model, ids, mask)
@@ -157,11 +117,11 @@ def test_last_token_head_equals_decoder_for_sequence_classification(arch: str, s
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("arch", list(PEERS))
+@pytest.mark.parametrize("arch", PEERS)
 def test_pad_equal_to_eos_inside_the_text(arch: str, side: str) -> None:
     """pad == eos, with eos used as a separator inside real text: both still agree."""
     eos = 2
-    peer = PEERS[arch](pad=eos, eos=eos)
+    peer = _peer(arch, pad=eos, eos=eos)
     model = _headed(peer)
     seqs = _random_seqs([6, 3, 5], seed=3)
     seqs[0][2] = eos
@@ -170,12 +130,12 @@ def test_pad_equal_to_eos_inside_the_text(arch: str, side: str) -> None:
     _compare(peer, model, ids, mask)
 
 
-@pytest.mark.parametrize("arch", list(PEERS))
+@pytest.mark.parametrize("arch", PEERS)
 def test_pad_equal_to_eos_at_the_end_headkit_pools_the_real_eos(arch: str) -> None:
     """A text ending in eos (pad == eos): headkit pools that eos, because padding comes from
     the attention mask. The peer reads padding from ids and pools the token before it."""
     eos = 2
-    peer = PEERS[arch](pad=eos, eos=eos)
+    peer = _peer(arch, pad=eos, eos=eos)
     model = _headed(peer)
     seqs = _random_seqs([5, 3], seed=4)
     seqs[0].append(eos)
@@ -192,9 +152,7 @@ def test_pad_equal_to_eos_at_the_end_headkit_pools_the_real_eos(arch: str) -> No
 
 
 # ---------------------------------------------------------------------- sentence-transformers
-def test_mean_pooling_equals_sentence_transformers_minilm() -> None:
-    from sentence_transformers import SentenceTransformer
-
+def test_mean_pooling_equals_sentence_transformers_minilm(minilm, minilm_st) -> None:
     texts = [
         "A gripping, beautifully shot film.",
         "Dull.",
@@ -202,7 +160,7 @@ def test_mean_pooling_equals_sentence_transformers_minilm() -> None:
         "performance is remarkable enough to keep you watching until the very end.",
         "Not bad, honestly.",
     ]
-    st = SentenceTransformer(str(minilm_path()), device="cpu").eval()
+    st = minilm_st.eval()
     assert [type(m).__name__ for m in st] == ["Transformer", "Pooling", "Normalize"]
     features = st.preprocess(texts)
     with torch.no_grad():
@@ -214,7 +172,7 @@ def test_mean_pooling_equals_sentence_transformers_minilm() -> None:
     head = HeadConfig(
         name="emb", pred_for_sequence=True, pooling="mean", num_outputs=hidden, loss_fct=None
     )
-    model = HeadedModel(AutoModel.from_pretrained(str(minilm_path())), [head]).eval()
+    model = HeadedModel(minilm[0], [head]).eval()
     with torch.no_grad():
         model.heads["emb"].linears[0].weight.copy_(torch.eye(hidden))  # identity: preds = pooled
         got = model(

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from conftest import build_tiny, tiny_config
+from transformers import GPT2LMHeadModel
 
 from headkit import (
     ConfigError,
@@ -20,7 +20,6 @@ from headkit import (
     load_headed,
     print_trainable_parameters,
 )
-from headkit.packaged import minilm_path
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -35,8 +34,7 @@ def test_get_model_params_gives_the_class_and_sizes_load_headed_takes(tmp_path: 
         params["model_class"], str(tmp_path / "gpt2"), head_configs=[HeadConfig("p", layer_hook=1)]
     )
     assert isinstance(model, HeadedModel)
-    cfg = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10, architectures=["NoSuchLM"])
-    cfg.save_pretrained(tmp_path / "odd")
+    tiny_config("gpt2", num_layers=1, architectures=["NoSuchLM"]).save_pretrained(tmp_path / "odd")
     with pytest.raises(ConfigError, match=r"architectures=\['NoSuchLM'\]"):
         get_model_params(tmp_path / "odd")
 
@@ -51,15 +49,15 @@ def test_print_trainable_parameters_prints_transformer_heads_lines(tiny_gpt2, ca
     assert lines[2] == "trainable params by dtype: {torch.float32: 96}"
 
 
-def test_get_top_n_preds_reads_token_heads_at_the_end_and_sequence_heads_once():
-    tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=tokenizer.vocab_size)
+def test_get_top_n_preds_reads_token_heads_at_the_end_and_sequence_heads_once(minilm_tokenizer):
+    tokenizer = minilm_tokenizer
     heads = [
         HeadConfig("lm_head", is_causal_lm=True),
         HeadConfig("cls", num_outputs=5, pred_for_sequence=True),
     ]
-    model = HeadedModel(GPT2LMHeadModel(cfg), heads).eval()
+    model = HeadedModel(
+        build_tiny("gpt2", num_layers=1, vocab_size=tokenizer.vocab_size), heads
+    ).eval()
     top = get_top_n_preds(3, model, "a gorgeous, witty film", tokenizer)
     with torch.no_grad():
         out = model(**tokenizer("a gorgeous, witty film", return_tensors="pt"))

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA with heads (issue 11): one call to create, adapters-only checkpoints, exact
+"""LoRA and QLoRA with heads: one call to create, adapters-only checkpoints, exact
 reload, merging, every route peft offers, the Trainer, gradient checkpointing; 4-bit on CUDA.
 
 Tiny random GPT-2 / Llama / BERT are saved to a folder first, so that the checkpoints can
@@ -284,7 +284,8 @@ def _peft_gpt2() -> Any:
 
 
 def test_a_peft_model_is_a_backbone_and_its_checkpoint_reloads_exactly(tmp_path):
-    """Route 1: HeadedModel(get_peft_model(base, cfg), heads) used to be a ConfigError."""
+    """Route 1: HeadedModel(get_peft_model(base, cfg), heads) takes the PeftModel as its
+    backbone: adapters and heads train, the checkpoint holds them and reloads exactly."""
     model = HeadedModel(_peft_gpt2(), heads())
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained == {n for n, _ in model.named_parameters() if ".lora_" in n or "heads." in n}

@@ -9,13 +9,12 @@ and loads with sentence-transformers' own modules (offline, no trust_remote_code
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_tiny
 from sentence_transformers import SentenceTransformer
-from transformers import BertConfig, BertModel
 
 from headkit import ConfigError, HeadConfig, HeadedModel, load_headed, to_sentence_transformer
 from headkit.packaged import minilm_path
@@ -31,11 +30,10 @@ POOLINGS = ["mean", "first", "max", "last", "mean_sqrt_len", "weighted_mean"]
 
 
 @pytest.fixture(scope="module")
-def st() -> SentenceTransformer:
-    """A fresh SentenceTransformer of the packaged MiniLM (Transformer → Pooling → Normalize)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return SentenceTransformer(str(minilm_path()), device="cpu")
+def st(minilm_st) -> SentenceTransformer:
+    """The session's SentenceTransformer of the packaged MiniLM (Transformer → Pooling →
+    Normalize); the models below only read it."""
+    return minilm_st
 
 
 def _head(pooling: str, **kw) -> HeadConfig:
@@ -77,9 +75,7 @@ def test_load_headed_takes_a_sentence_transformer_or_its_folder(st, tmp_path: Pa
     from_folder = load_headed(str(minilm_path()), head_configs=head)
     assert type(from_folder.backbone).__name__ == "BertModel"
     # a saved model whose Transformer module lives in a subfolder (older layout)
-    torch.manual_seed(0)
-    tiny = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                intermediate_size=64, vocab_size=100))  # fmt: skip
+    tiny = build_tiny("bert", num_layers=1)
     tiny.save_pretrained(tmp_path / "0_Transformer")
     kinds = [("0_Transformer", "Transformer"), ("1_Pooling", "Pooling")]
     modules = [

@@ -1,4 +1,4 @@
-"""Numbers stay finite and exact where the exact answer is finite (issue 14): poolings of
+"""Numbers stay finite and exact where the exact answer is finite: poolings of
 half-precision and huge states, max pooling of -inf, and R² of labels with a large offset."""
 
 from __future__ import annotations

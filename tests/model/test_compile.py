@@ -1,5 +1,6 @@
-"""torch.compile(HeadedModel, fullgraph=True) (issue 13, scenario i), and the guards' rules
-on the CPU (guards.py): value checks on every CPU batch, the non-finite guard at once."""
+"""torch.compile(HeadedModel, fullgraph=True) gives one graph that matches eager (benchmark
+scenario i times it), and the guards' rules on the CPU (guards.py): value checks on every CPU
+batch, the non-finite guard at once."""
 
 from __future__ import annotations
 

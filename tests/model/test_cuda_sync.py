@@ -1,4 +1,5 @@
-"""No host-device synchronisation in a headed forward on CUDA (issue 13, scenario h).
+"""No host-device synchronisation in a headed forward on CUDA (benchmark scenario h
+measures what it costs).
 
 The per-batch input and label checks must run on data already on the host, or once per
 shape, never by reading a CUDA tensor back (``int(t.max())``, ``bool(t.any())``,

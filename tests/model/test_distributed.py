@@ -1,21 +1,20 @@
-"""A head on a middle layer with a trainable backbone under DDP (find_unused_parameters=False).
+"""DDP on two CPU ranks, and a head on a middle layer with a trainable backbone.
 
 With early exit the blocks after the deepest hooked layer never run, so they can never get a
-gradient: HeadedModel freezes them (and the final norm) at construction, warning once. The
-two-process tests launch tests/model/distributed_worker.py (a custom accelerate loop, then
-HeadedTrainer) with ``torchrun --nproc_per_node=2`` and with
-``accelerate launch --multi_gpu --num_processes 2`` (on a machine without GPUs accelerate
-then runs two CPU processes over gloo; ``--cpu`` cannot be combined with ``--multi_gpu``).
+gradient: HeadedModel freezes them (and the final norm) at construction, warning once.
+
+The two-rank checks share one launch per launcher (tests/multiproc.py: ``torchrun`` and
+``accelerate launch --multi_gpu``, which on a machine without GPUs runs CPU ranks over
+gloo), each running tests/model/distributed_worker.py with DDP's
+``find_unused_parameters=False``: a custom accelerate loop and HeadedTrainer with the
+early-exit model, then HeadedTrainer training, evaluating and saving a model whose "aux"
+head never gets labels, which DDP refuses unless HeadedModel puts every head (and learned
+loss weight) in each step's graph. That last run must equal one process on the same
+global batch (run here, while the ranks run).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -24,27 +23,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import build_tiny
+from multiproc import start_ranks
 from safetensors.torch import load_file
 
 from headkit import HeadConfig, HeadedModel
 
-WORKER = Path(__file__).with_name("distributed_worker.py")
-REPO = Path(__file__).resolve().parents[2]
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="needs torch.distributed with the gloo backend",
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+WORKER = Path(worker.__file__)
 
 
 # ---------------------------------------------------------------------- one process
-def test_blocks_after_the_deepest_hook_are_frozen_with_one_warning(make_tiny):
-    hf = make_tiny("gpt2", num_layers=4)
+def test_blocks_after_the_deepest_hook_are_frozen_with_one_warning():
+    hf = build_tiny("gpt2", num_layers=4)
     heads = [HeadConfig("probe", layer_hook=2, num_outputs=3)]
     with pytest.warns(UserWarning, match=r"hidden state 2 of 4, so 2 block\(s\) after it and ln_f"):
         model = HeadedModel(hf, heads, freeze_base_model=False)
@@ -93,24 +82,78 @@ def test_a_frozen_backbone_warns_about_nothing(tiny_gpt2):
 
 
 # ---------------------------------------------------------------------- two processes
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> tuple[Path, dict]:
+    """The "ddp" training in this process on one thread, batch 8: the reference."""
+    out = tmp_path_factory.mktemp("single")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return out, worker.train_eval_save(out, worker.N_EXAMPLES)
+    finally:
+        torch.set_num_threads(before)
 
 
-def _check_two_ranks(out: Path) -> None:
-    init, caught = worker.build_model()
+@pytest.fixture(
+    scope="module",
+    params=["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)],
+)
+def ranks(request, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One launch of the worker on two ranks (the reference is computed meanwhile)."""
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with the gloo backend")
+    out = tmp_path_factory.mktemp(request.param)
+    launch = start_ranks(WORKER, out, launcher=request.param, nprocs=2)
+    request.getfixturevalue("single")
+    return out, launch.reports()
+
+
+def test_two_ranks_match_one_process_and_only_rank0_saves(ranks, single) -> None:
+    out, reports = ranks
+    single_dir, alone = single
+    ddp = [r["ddp"] for r in reports]
+    assert [r["world_size"] for r in ddp] == [2, 2] and alone["world_size"] == 1
+    assert len(alone["losses"]) == worker.STEPS
+    assert ddp[0]["losses"] == pytest.approx(alone["losses"], rel=1e-5)
+    # evaluation gathers predictions and per-head losses from both ranks
+    evals = ddp[0]["eval"]
+    assert evals.keys() == alone["eval"].keys() and ddp[1]["eval"] == evals
+    assert {"eval_loss", "eval_cls_loss", "eval_tok_loss", "eval_cls_accuracy"} <= evals.keys()
+    for k, v in alone["eval"].items():
+        assert evals[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+    w0, w1 = (load_file(str(out / f"ddp-rank{r}.safetensors")) for r in (0, 1))
+    ws = load_file(str(single_dir / "ddp-rank0.safetensors"))
+    init = {k: v.detach() for k, v in worker.build_ddp_model().head_state_dict().items()}
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k  # both ranks hold the same weights
+        torch.testing.assert_close(w0[k], ws[k], rtol=1e-4, atol=1e-6)
+        trained = not torch.equal(w0[k], init[k])
+        assert trained == ("aux" not in k), k  # the unlabelled head got exact zero gradients
+
+    # one checkpoint, written by rank 0 only
+    assert ddp[0]["should_save"] and not ddp[1]["should_save"]
+    ckpt = out / "run" / f"checkpoint-{worker.STEPS}"
+    assert ddp[0]["saves"] == [str(ckpt)] and ddp[1]["saves"] == []
+    run = out / "run"
+    assert [p.name for p in run.iterdir() if p.name.startswith("checkpoint-")] == [ckpt.name]
+    assert len(list(ckpt.glob("heads-*.safetensors"))) == 1
+    loaded = HeadedModel.from_pretrained(ckpt).head_state_dict()
+    for k in w0:
+        assert torch.equal(loaded[k].cpu(), w0[k]), k
+
+
+def test_two_ranks_train_an_early_exit_model_in_a_custom_loop_and_headed_trainer(ranks) -> None:
+    out, reports = ranks
+    init, caught = worker.build_early_exit_model()
     assert len(caught) == 1 and "2 block(s) after it and ln_f" in caught[0]
+    assert [r["loop"]["distributed_type"] for r in reports] == ["DistributedType.MULTI_CPU"] * 2
     init_state = {k: v.detach() for k, v in init.state_dict().items()}
     for mode in ("loop", "trainer"):
-        reports = [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
-        assert [r["world_size"] for r in reports] == [2, 2], mode
-        assert [r["find_unused_parameters"] for r in reports] == [False, False], mode
-        assert len(reports[0]["losses"]) == worker.STEPS, mode
+        modes = [r[mode] for r in reports]
+        assert [r["world_size"] for r in modes] == [2, 2], mode
+        assert [r["find_unused_parameters"] for r in modes] == [False, False], mode
+        assert len(modes[0]["losses"]) == worker.STEPS, mode
         w0, w1 = (load_file(str(out / f"{mode}-rank{r}.safetensors")) for r in (0, 1))
         for k in w0:
             assert torch.equal(w0[k], w1[k]), (mode, k)  # both ranks hold the same weights
@@ -118,47 +161,3 @@ def _check_two_ranks(out: Path) -> None:
         assert "heads.cls.mlp.0.weight" in moved and "backbone.h.0.attn.c_attn.weight" in moved
         frozen_parts = ("backbone.h.2.", "backbone.h.3.", "backbone.ln_f.", "heads.aux.")
         assert not any(k.startswith(frozen_parts) for k in moved), (mode, sorted(moved))
-
-
-@pytest.mark.slow
-@needs_gloo
-def test_torchrun_two_ranks_custom_loop_and_headed_trainer(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(WORKER),
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    _check_two_ranks(tmp_path)
-
-
-@pytest.mark.slow
-@needs_gloo
-def test_accelerate_launch_two_cpu_ranks_custom_loop_and_headed_trainer(tmp_path: Path) -> None:
-    launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent))
-    if launcher is None:
-        pytest.skip("the accelerate command is not installed next to this Python")
-    cmd = [
-        launcher,
-        "launch",
-        "--multi_gpu",
-        "--num_processes=2",
-        "--num_machines=1",
-        "--mixed_precision=no",
-        "--dynamo_backend=no",
-        f"--main_process_port={_free_port()}",
-        str(WORKER),
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    report = json.loads((tmp_path / "loop-rank0.json").read_text())
-    assert report["distributed_type"] == "DistributedType.MULTI_CPU"
-    _check_two_ranks(tmp_path)

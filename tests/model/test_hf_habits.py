@@ -1,4 +1,4 @@
-"""Hugging Face habits (issue 10): Trainer metrics and collators the usual way, gradient
+"""Hugging Face habits: Trainer metrics and collators the usual way, gradient
 checkpointing and the other PreTrainedModel conveniences, idle heads left alone, frozen
 backbones in eval mode, Trainer robustness, datasets columns.
 
@@ -17,8 +17,6 @@ import pytest
 import torch
 from conftest import build_tiny
 from transformers import (
-    AutoTokenizer,
-    BertConfig,
     BertModel,
     DataCollatorWithPadding,
     Trainer,
@@ -35,30 +33,20 @@ from headkit import (
     cache_features,
     evaluate_head_wise,
 )
-from headkit.packaged import minilm_path, rotten_tomatoes
+from headkit.packaged import rotten_tomatoes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    """The packaged all-MiniLM-L6-v2 tokenizer (BERT WordPiece, 30522 tokens)."""
-    return AutoTokenizer.from_pretrained(str(minilm_path()))
+def tokenizer(minilm_tokenizer):
+    """The packaged all-MiniLM-L6-v2 tokenizer (BERT WordPiece, 30522 tokens); read-only."""
+    return minilm_tokenizer
 
 
-def _bert(vocab: int, layers: int = 2, seed: int = 0, dropout: float = 0.0) -> BertModel:
-    torch.manual_seed(seed)
-    cfg = BertConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    return BertModel(cfg)
+def _bert(vocab: int, dropout: float = 0.0) -> BertModel:
+    """A tiny 2-block BERT with the tokenizer's vocabulary, so real text fits it."""
+    return build_tiny("bert", num_layers=2, vocab_size=vocab, dropout=dropout)
 
 
 @pytest.fixture(scope="module")

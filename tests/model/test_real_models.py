@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
 from headkit import HeadConfig, HeadedModel
-from headkit.packaged import SMOLLM2_GGUF, rotten_tomatoes, smollm2_path, train_test_split
+from headkit.packaged import rotten_tomatoes, train_test_split
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -118,12 +117,6 @@ def test_minilm_sentiment_probe_learns_from_rotten_tomatoes(minilm):
 
 
 # ---------------------------------------------------------------------- SmolLM2
-@pytest.fixture(scope="module")
-def smollm2():
-    """The packaged SmolLM2-135M-Instruct, de-quantised from GGUF (slow to load: once)."""
-    return AutoModelForCausalLM.from_pretrained(smollm2_path(), gguf_file=SMOLLM2_GGUF).eval()
-
-
 @pytest.mark.slow
 def test_smollm2_lm_head_and_layer_2_probe_match_the_model(smollm2):
     width = smollm2.config.hidden_size
