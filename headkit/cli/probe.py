@@ -108,7 +108,6 @@ def run(args: argparse.Namespace) -> None:
     write_results(results, Path(args.output))
 
 
-
 def write_results(results: ProbeResults, out: Path) -> None:
     """``out/probe_results.json`` and, where matplotlib is installed, ``.png``."""
     out.mkdir(parents=True, exist_ok=True)
