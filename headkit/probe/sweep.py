@@ -87,8 +87,8 @@ def probe_layers(
     whitespace-separated strings, ``labels`` one class per word; a word's label goes to its
     first sub-token). ``test_inputs``/``test_labels``: score on this given split (an official
     test set) instead of holding out ``test_fraction`` of ``inputs``; validation splits are
-    still taken from ``inputs``, and ``n_test`` counts the given split's rows. ``layers`` index ``hidden_states`` as ``output_hidden_states=True``
-    does (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several
+    still taken from ``inputs``, and ``n_test`` counts the given split's rows. ``layers``
+    index ``hidden_states`` as ``output_hidden_states=True`` does (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several
     to compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose
     the L2 penalty (scores are averaged over them); ``seed`` draws every split. See the module
     docstring for splits and the control task. The backbone is left as it was (requires_grad
