@@ -78,21 +78,21 @@ def probe_layers(
 ) -> ProbeResults:
     """Train a linear probe on every chosen layer (and pooling) and score it held out.
 
-    ``model``: a path or hub id (``AutoModel``; ``model_kwargs`` go to ``from_pretrained``,
-    e.g. ``{"gguf_file": ...}``), ``packaged:minilm``/``packaged:smollm2``, a
-    ``PreTrainedModel`` or a ``HeadedModel`` (its backbone is used). ``tokenizer`` defaults to
-    the one stored with the model. ``inputs`` are texts (``texts=`` is the same argument by
-    its older name). ``task``: "classification" (``labels`` one class per input),
-    "regression" (one number per input) or "token" (``inputs`` are lists of words or
-    whitespace-separated strings, ``labels`` one class per word; a word's label goes to its
-    first sub-token). ``test_inputs``/``test_labels``: score on this given split (an official
-    test set) instead of holding out ``test_fraction`` of ``inputs``; validation splits are
-    still taken from ``inputs``, and ``n_test`` counts the given split's rows. ``layers``
-    index ``hidden_states`` as ``output_hidden_states=True`` does (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several
-    to compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose
-    the L2 penalty (scores are averaged over them); ``seed`` draws every split. See the module
-    docstring for splits and the control task. The backbone is left as it was (requires_grad
-    and train/eval mode).
+    ``model``: a path or hub id (``AutoModel``; ``model_kwargs`` go to ``from_pretrained``, e.g.
+    ``{"gguf_file": ...}``), ``packaged:minilm``/``packaged:smollm2``, a ``PreTrainedModel`` or
+    a ``HeadedModel`` (its backbone is used). ``tokenizer`` defaults to the one stored with the
+    model. ``inputs`` are texts (``texts=`` is the same argument by its older name). ``task``:
+    "classification" (``labels`` one class per input), "regression" (one number per input) or
+    "token" (``inputs`` are lists of words or whitespace-separated strings, ``labels`` one class
+    per word; a word's label goes to its first sub-token). ``test_inputs``/``test_labels``:
+    score on this given split (an official test set) instead of holding out ``test_fraction`` of
+    ``inputs``; validation splits are still taken from ``inputs``, and ``n_test`` counts the
+    given split's rows. ``layers`` index ``hidden_states`` as ``output_hidden_states=True`` does
+    (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several to
+    compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose the L2
+    penalty (scores are averaged over them); ``seed`` draws every split. See the module
+    docstring for splits and the control task. The backbone is left as it was (requires_grad and
+    train/eval mode).
     """
     inputs, labels, given = _inputs_and_test_split(inputs, texts, labels, test_inputs, test_labels)
     _check_args(
