@@ -175,15 +175,20 @@ def _is_number(v: Any) -> bool:
 
 
 def split_rows(
-    rows: ProbeRows, test_fraction, val_fraction, val_splits, seed
+    rows: ProbeRows, test_fraction, val_fraction, val_splits, seed, test_from: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Row masks: "test", "train" (R,), and "fit" (S, R_train) per validation split; split by
-    example."""
+    example. ``test_from``: the examples from this index on are a given test split (else
+    ``test_fraction`` of the examples is held out at random)."""
     n = len(rows.examples)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_test = max(1, round(n * test_fraction))
     is_test = torch.zeros(n, dtype=torch.bool)
-    is_test[perm[:n_test]] = True
+    if test_from is None:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        n_test = max(1, round(n * test_fraction))
+        is_test[perm[:n_test]] = True
+    else:
+        n_test = n - test_from
+        is_test[test_from:] = True
     train_examples = torch.nonzero(~is_test)[:, 0]
     n_val = max(1, round(len(train_examples) * val_fraction))
     if len(train_examples) - n_val < 2:

@@ -65,7 +65,8 @@ class ProbeResults:
 
     ``metric`` is "accuracy" (classification, token) or "r2" (regression); ``baseline`` the
     held-out score of the majority class (or of the training mean for r2); ``test_index``
-    the positions (in the input order) of the held-out examples.
+    the positions (in the input order) of the held-out examples (in ``test_inputs`` when a
+    test split was given).
     """
 
     task: str

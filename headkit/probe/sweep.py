@@ -52,9 +52,12 @@ _CHUNK_BYTES = 512 * 2**20
 
 def probe_layers(
     model: str | os.PathLike | PreTrainedModel | HeadedModel,
-    texts: Sequence[Any],
-    labels: Sequence[Any],
+    inputs: Sequence[Any] | None = None,
+    labels: Sequence[Any] | None = None,
     *,
+    texts: Sequence[Any] | None = None,
+    test_inputs: Sequence[Any] | None = None,
+    test_labels: Sequence[Any] | None = None,
     layers: str | int | Sequence[int] = "all",
     pooling: str | Sequence[str] | None = None,
     task: str = "classification",
@@ -75,35 +78,45 @@ def probe_layers(
 ) -> ProbeResults:
     """Train a linear probe on every chosen layer (and pooling) and score it held out.
 
-    ``model``: a path or hub id (``AutoModel``; ``model_kwargs`` go to ``from_pretrained``,
-    e.g. ``{"gguf_file": ...}``), ``packaged:minilm``/``packaged:smollm2``, a
-    ``PreTrainedModel`` or a ``HeadedModel`` (its backbone is used). ``tokenizer`` defaults to
-    the one stored with the model. ``task``: "classification" (``labels`` one class per
-    text), "regression" (one number per text) or "token" (``texts`` are lists of words or
-    whitespace-separated strings, ``labels`` one class per word; a word's label goes to its
-    first sub-token). ``layers`` index ``hidden_states`` as ``output_hidden_states=True``
-    does (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several
-    to compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose
-    the L2 penalty (scores are averaged over them); ``seed`` draws every split. See the module
-    docstring for splits and the control task. The backbone is left as it was (requires_grad
-    and train/eval mode).
+    ``model``: a path or hub id (``AutoModel``; ``model_kwargs`` go to ``from_pretrained``, e.g.
+    ``{"gguf_file": ...}``), ``packaged:minilm``/``packaged:smollm2``, a ``PreTrainedModel`` or
+    a ``HeadedModel`` (its backbone is used). ``tokenizer`` defaults to the one stored with the
+    model. ``inputs`` are texts (``texts=`` is the same argument by its older name). ``task``:
+    "classification" (``labels`` one class per input), "regression" (one number per input) or
+    "token" (``inputs`` are lists of words or whitespace-separated strings, ``labels`` one class
+    per word; a word's label goes to its first sub-token). ``test_inputs``/``test_labels``:
+    score on this given split (an official test set) instead of holding out ``test_fraction`` of
+    ``inputs``; validation splits are still taken from ``inputs``, and ``n_test`` counts the
+    given split's rows. ``layers`` index ``hidden_states`` as ``output_hidden_states=True`` does
+    (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several to
+    compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose the L2
+    penalty (scores are averaged over them); ``seed`` draws every split. See the module
+    docstring for splits and the control task. The backbone is left as it was (requires_grad and
+    train/eval mode).
     """
+    inputs, labels, given = _inputs_and_test_split(inputs, texts, labels, test_inputs, test_labels)
     _check_args(
-        task, pooling, val_splits, test_fraction, val_fraction, l2, bootstrap, texts, labels
+        task, pooling, val_splits, test_fraction, val_fraction, l2, bootstrap, inputs, labels
     )
     poolings = [] if task == "token" else parse_poolings(pooling or "mean")
-    settings = {"seed": seed, "test_fraction": test_fraction, "val_fraction": val_fraction}
-    settings.update(max_length=max_length, bootstrap=bootstrap, n_examples=len(texts))
+    n_examples = len(inputs) - (given or 0)
+    settings = {"seed": seed, "val_fraction": val_fraction}
+    settings.update(max_length=max_length, bootstrap=bootstrap, n_examples=n_examples)
+    if given is None:
+        settings["test_fraction"] = test_fraction
+    else:
+        settings["n_test_examples"] = given
     lap = _Laps()
     backbone, tokenizer = _backbone_and_tokenizer(model, tokenizer, model_kwargs)
     num_layers = _num_layers(backbone)
     chosen = parse_layers(layers, num_layers)
     lap("load")
-    rows = prepare_rows(tokenizer, texts, labels, task, max_length)
+    rows = prepare_rows(tokenizer, inputs, labels, task, max_length)
     lap("tokenize")
     features = _features(backbone, rows, chosen, poolings, batch_size, progress)
     lap("features")
-    split = split_rows(rows, test_fraction, val_fraction, val_splits, seed)
+    test_from = None if given is None else n_examples  # examples from here on: the given split
+    split = split_rows(rows, test_fraction, val_fraction, val_splits, seed, test_from)
     variants = [rows.y] + ([control_labels(rows, split["train"], seed)] if control else [])
     y = torch.stack(variants)  # (V, R): the task's labels, then the control task's
     num_classes = len(rows.classes) if rows.classes is not None else None
@@ -135,10 +148,39 @@ def probe_layers(
         control=control,
         l2_grid=penalties.tolist(),
         classes=rows.classes,
-        test_index=sorted(set(rows.example[split["test"]].tolist())),
+        test_index=sorted({i - (test_from or 0) for i in rows.example[split["test"]].tolist()}),
         settings=settings,
         timings=lap.times,
     )
+
+
+def _inputs_and_test_split(
+    inputs: Any, texts: Any, labels: Any, test_inputs: Any, test_labels: Any
+) -> tuple[list, list, int | None]:
+    """(inputs, labels, size of the given test split or None): ``texts=`` is ``inputs``' older
+    name; a given test split is appended to the inputs and marked by its size."""
+    if texts is not None:
+        if inputs is not None:
+            raise ConfigError("pass inputs or texts (its older name), not both")
+        inputs = texts
+    if inputs is None or labels is None:
+        raise ConfigError("probe_layers needs inputs (texts, or words for task='token') and labels")
+    inputs, labels = list(inputs), list(labels)
+    if (test_inputs is None) != (test_labels is None):
+        given = "test_inputs" if test_labels is None else "test_labels"
+        missing = "test_labels" if test_labels is None else "test_inputs"
+        raise ConfigError(f"{given} was given without {missing}; pass both or neither")
+    if test_inputs is None:
+        return inputs, labels, None
+    test_inputs, test_labels = list(test_inputs), list(test_labels)
+    if len(test_inputs) != len(test_labels):
+        raise ConfigError(
+            f"got {len(test_inputs)} test_inputs but {len(test_labels)} test_labels; one label "
+            "per test input"
+        )
+    if not test_inputs:
+        raise ConfigError("test_inputs is empty; give at least one test example, or none at all")
+    return inputs + test_inputs, labels + test_labels, len(test_inputs)
 
 
 class _Laps:
@@ -173,7 +215,7 @@ def _check_args(
     if not isinstance(bootstrap, int) or bootstrap < 10:
         raise ConfigError(f"bootstrap={bootstrap!r} is invalid; an integer >= 10 (resamples)")
     if len(texts) != len(labels):
-        raise ConfigError(f"got {len(texts)} texts but {len(labels)} labels; one label per text")
+        raise ConfigError(f"got {len(texts)} inputs but {len(labels)} labels; one label per input")
 
 
 def _backbone_and_tokenizer(model: Any, tokenizer: Any, model_kwargs: Any) -> tuple[Any, Any]:

@@ -314,7 +314,7 @@ def test_headed_model_and_argument_errors(make_tiny) -> None:
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             probe_layers(model, texts, labels, tokenizer=tok, progress=False, **kwargs)
-    with pytest.raises(ConfigError, match="got 40 texts but 39 labels"):
+    with pytest.raises(ConfigError, match="got 40 inputs but 39 labels"):
         probe_layers(model, texts, labels[:-1], tokenizer=tok, progress=False)
     with pytest.raises(ConfigError, match="single class"):
         probe_layers(model, texts, [1] * 40, tokenizer=tok, progress=False)
