@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import Goal
+from _harness import MALLOC_ENV, Goal
 
 NOTES_START = "<!-- notes: kept by benchmarks/run.py when it rewrites this file -->"
 NOTES_END = "<!-- end of notes -->"
@@ -37,7 +37,7 @@ def figure(name: str, value: float, unit: str, goal: Goal | None = None) -> dict
     value = float(value)
     return {
         "name": name,
-        "value": round(value, 4) if abs(value) >= 1e-3 else value,
+        "value": round(value, 4) if abs(value) >= 1e-3 else float(f"{value:.4g}"),
         "unit": unit,
         "goal": None if goal is None else str(goal),
         "met": None if goal is None else goal.met(value),
@@ -132,6 +132,7 @@ def collect_others(
             try:
                 spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
                 mod = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = mod  # dataclasses look their module up there
                 spec.loader.exec_module(mod)
                 result = mod.main(args)
             except Exception as e:
@@ -187,10 +188,7 @@ def machine_facts(threads: int, device: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "malloc_env": all(
-            k in os.environ
-            for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
-        ),
+        "malloc_env": all(k in os.environ for k in MALLOC_ENV),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "device": device,
     }
@@ -345,11 +343,13 @@ def markdown(results: dict, previous: str | None) -> str:
             "|---|---|---:|---|---|---|---|",
         ]
         for o in others:
+            source = o["source"] + (f", {o['created']}" if o.get("created") else "")
             for f in o["figures"]:
-                met = "" if f.get("met") is None else ("yes" if f["met"] else "**no**")
+                met = "" if f["met"] is None else ("yes" if f["met"] else "**no**")
+                name = f["name"].replace("|", "\\|")
                 lines.append(
-                    f"| {o['name']} | {f['name']} | {_fmt(f['value'])} | {f.get('unit') or ''} "
-                    f"| {f.get('goal') or ''} | {met} | {o['source']} |"
+                    f"| {o['name']} | {name} | {f['value']:.4g} | {f['unit']} "
+                    f"| {f['goal'] or ''} | {met} | {source} |"
                 )
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]

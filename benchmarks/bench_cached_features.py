@@ -16,7 +16,7 @@ sequence head (mean pooling) on layer -1, batch 32, AdamW lr 1e-3, 10 epochs, 2 
    epochs). Goal: cached ÷ recompute <= 0.15. Each piece walks the same batches in order.
 
 Run (writes benchmarks/results/cached_features.json and a report beside it, .md;
-``--quick``: 32 texts, 2 epochs, a smoke test):
+``--quick``: 16 texts, 2 epochs, a smoke test):
   HF_HUB_OFFLINE=1 python benchmarks/bench_cached_features.py
 """
 
@@ -147,19 +147,19 @@ def main(argv: list[str] | None = None) -> dict:
     """Measure; return (and write to --out, with a report beside it) the result."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_measure_args(ap)
-    ap.add_argument("--texts", type=int, default=None, help="(1000; quick 32)")
-    ap.add_argument("--max-length", type=int, default=None, help="(64; quick 32)")
+    ap.add_argument("--texts", type=int, default=None, help="(1000; quick 16)")
+    ap.add_argument("--max-length", type=int, default=None, help="(64; quick 16)")
     ap.add_argument("--epochs", type=int, default=None, help="(10; quick 2)")
-    ap.add_argument("--batch-size", type=int, default=None, help="(32; quick 16)")
+    ap.add_argument("--batch-size", type=int, default=None, help="(32; quick 8)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=HERE / "results" / f"{NAME}.json")
     args = ap.parse_args(argv)
     st = settings_of(args)
-    args.texts = args.texts or (32 if st.quick else 1000)
+    args.texts = args.texts or (16 if st.quick else 1000)
     args.epochs = args.epochs or (2 if st.quick else 10)
-    args.max_length = args.max_length or (32 if st.quick else 64)
-    args.batch_size = args.batch_size or (16 if st.quick else 32)
+    args.max_length = args.max_length or (16 if st.quick else 64)
+    args.batch_size = args.batch_size or (8 if st.quick else 32)
     torch.set_num_threads(st.threads)
     rows, collate = make_data(args.texts, args.max_length)
     head = HeadConfig(

@@ -227,7 +227,7 @@ def checkout_of(headkit_dir: str) -> dict[str, str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_measure_args(ap)  # --steps: train steps measured (20; quick 3); no warm-up here
-    ap.add_argument("--arch", default=",".join(ARCHS), help="gpt2,llama")
+    ap.add_argument("--arch", default=None, help="gpt2,llama (quick: gpt2)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="bare,token,sequence")
     ap.add_argument("--repeats", type=int, default=None, help="fresh processes each (5)")
     ap.add_argument("--compare", default=None, help="another checkout's folder (PYTHONPATH)")
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
         return out
     st = settings_of(args)
     sizes = QUICK_SIZES if st.quick else SIZES
+    args.arch = args.arch or ("gpt2" if st.quick else ",".join(ARCHS))
     archs, kinds = args.arch.split(","), args.kinds.split(",")
     repeats = args.repeats or (1 if st.quick else 5)
     sides: dict[str, str | None] = {"headkit": None}

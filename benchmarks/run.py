@@ -165,9 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             # after every scenario, so an interrupted run keeps what it measured (--merge)
             write({**assemble(records, [], []), "partial": True}, args.out, None)
-    others, other_errors = collect_others(
-        HERE, args.with_others, ["--quick"] if q else [], args.out.parent / "results"
-    )
+    argv = ["--threads", str(args.threads)] + (["--quick"] if q else [])
+    others, other_errors = collect_others(HERE, args.with_others, argv, args.out.parent / "results")
     errors = [f"{r['name']} ({r['arch']}): {r['note']}" for r in records if r["status"] == "error"]
     errors += other_errors
     results = assemble(records, others, errors)
