@@ -132,6 +132,14 @@ def fit_rows(tok, texts, labels, max_length: int) -> list[int]:
     return train_examples[split["fit"][0]].tolist()
 
 
+def _splits_name() -> str:
+    """The keyword of ``probe_layers`` for the number of validation splits (seeds)."""
+    import inspect
+
+    params = inspect.signature(probe_layers).parameters
+    return "val_splits" if "val_splits" in params else "seeds"
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_measure_args(ap)
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     t = st.measure({"sweep": sweep(), "forward": forward}, warmup=0, steps=repeats)
     result = held["sweep"]
     full_t = st.measure(
-        {"full_sweep": sweep(key="full", seeds=3, control=True), "forward": forward},
+        {"full_sweep": sweep(key="full", control=True, **{_splits_name(): 3}), "forward": forward},
         warmup=0,
         steps=1 if st.quick else 2,
     )
