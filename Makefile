@@ -42,7 +42,8 @@ format: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
 # The suite (benchmarks/run.py, scenarios a-i) and the other benchmarks/bench_*.py; writes
-# benchmarks/results.json and docs/benchmarks.md. BENCH_ARGS adds options (e.g. --only a,b).
+# benchmarks/results.json, benchmarks/results/<name>.json and docs/benchmarks.md. BENCH_ARGS
+# adds options (e.g. --only a,b; --quick: a smoke run that overwrites them with tiny sizes).
 bench: $(VENV)/.installed-dev
 	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=536870912 \
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/run.py --with-others $(BENCH_ARGS)

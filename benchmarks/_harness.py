@@ -9,17 +9,20 @@
   meanwhile (read from /proc/stat), keeping the least loaded attempt.
 - ``peak_memory``: run in a fresh process per scenario; peak RSS above the RSS before.
 - ``Goal`` and ``record``: every figure is a ratio with its goal, met or missed by how much.
+- ``add_measure_args`` and ``Settings``: the options and defaults of every benchmark (the
+  suite's and each ``bench_*.py``'s), ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MALLOC_ENV = {
@@ -108,14 +111,27 @@ class Timing:
     attempts: int
     loads: list[float] = field(default_factory=list)
     waited_s: float = 0.0
+    cpu_samples: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def cpu_median(self) -> dict[str, float]:
+        """This process's CPU seconds per step (all its threads), median of each side."""
+        return {n: statistics.median(s) for n, s in self.cpu_samples.items()}
 
     def ratio(self, num: str, den: str) -> float:
         return self.median[num] / self.median[den]
+
+    def cpu_ratio(self, num: str, den: str) -> float:
+        """The ratio of the CPU-time medians: other processes' load hardly moves it on one
+        thread (on several, waiting threads may spin)."""
+        cpu = self.cpu_median
+        return cpu[num] / cpu[den]
 
     def summary(self, tokens: int | None = None) -> dict[str, Any]:
         """ms per step for each side (and tokens/s when ``tokens`` per step is given)."""
         out: dict[str, Any] = {
             "ms": {n: round(v * 1e3, 3) for n, v in self.median.items()},
+            "cpu_ms": {n: round(v * 1e3, 3) for n, v in self.cpu_median.items()},
             "spread_pct": {n: round(_spread(s) * 100, 1) for n, s in self.samples.items()},
             "steps": len(next(iter(self.samples.values()))),
             "other_cores": round(self.other_cores, 3),
@@ -140,11 +156,14 @@ def alternate(
     warmup: int,
     steps: int,
     sync: Callable[[], None] = lambda: None,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Warm every side up, then time them alternated: A B C, C B A, A B C, ...
 
-    Reversing the order every round gives each side the same neighbours on average. The
-    garbage collector is off while timing (as in ``timeit``).
+    Returns the wall seconds of each step per side; ``cpu``, when given, receives this
+    process's CPU seconds of each step. Reversing the order every round gives each side
+    the same neighbours on average. The garbage collector is off while timing (as in
+    ``timeit``).
     """
     names = list(fns)
     for _ in range(warmup):
@@ -152,16 +171,19 @@ def alternate(
             fns[n]()
             sync()
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu_times = cpu if cpu is not None else {}
+    cpu_times.update({n: [] for n in names})
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         for i in range(steps):
             for n in names if i % 2 == 0 else names[::-1]:
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 fns[n]()
                 sync()
                 times[n].append(time.perf_counter() - t0)
+                cpu_times[n].append(time.process_time() - c0)
     finally:
         if was_enabled:
             gc.enable()
@@ -186,11 +208,16 @@ def measure(
     for attempt in range(1, retries + 2):
         if quiet_timeout > 0:
             waited += wait_for_quiet(max_load, quiet_timeout)
+        cpu: dict[str, list[float]] = {}
         with LoadMeter() as m:
-            samples = alternate(fns, warmup if attempt == 1 else warmup // 2, steps, sync)
+            samples = alternate(fns, warmup if attempt == 1 else warmup // 2, steps, sync, cpu)
         loads.append(m.other_cores)
         t = Timing(
-            {n: statistics.median(s) for n, s in samples.items()}, samples, m.other_cores, attempt
+            {n: statistics.median(s) for n, s in samples.items()},
+            samples,
+            m.other_cores,
+            attempt,
+            cpu_samples=cpu,
         )
         if best is None or t.other_cores < best.other_cores:
             best = t
@@ -202,8 +229,85 @@ def measure(
     return best
 
 
+# ---------------------------------------------------------------------- settings
+@dataclass
+class Settings:
+    """How a benchmark measures: the suite's defaults, or a smoke run (``quick``)."""
+
+    warmup: int = 5
+    steps: int = 20
+    max_load: float = 0.2
+    retries: int = 2
+    quiet_timeout: float = 30.0
+    threads: int = 2
+    quick: bool = False
+
+    def measure(
+        self,
+        fns: Mapping[str, Callable[[], object]],
+        warmup: int | None = None,
+        steps: int | None = None,
+        sync: Callable[[], None] = lambda: None,
+    ) -> Timing:
+        """``measure`` with these settings (``warmup``/``steps`` override them for sides
+        too long to repeat 20 times)."""
+        return measure(
+            fns,
+            self.warmup if warmup is None else warmup,
+            self.steps if steps is None else steps,
+            self.max_load,
+            self.retries,
+            sync,
+            self.quiet_timeout,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings, and whether the allocator and OpenMP ran as BENCHMARKING.md says."""
+        return {
+            **asdict(self),
+            "malloc_env": all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        }
+
+
+def add_measure_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every benchmark takes (defaults: ``Settings``; ``--quick``: a smoke run
+    with 1 warm-up step, 3 timed steps, no reruns and no waiting for a quiet machine)."""
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (5; quick 1)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (20; quick 3)")
+    ap.add_argument("--max-load", type=float, default=0.2, help="other cores before a rerun")
+    ap.add_argument("--retries", type=int, default=None, help="reruns of a loaded timing (2)")
+    ap.add_argument(
+        "--quiet-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for a quiet machine before each timing (default 30, quick 0)",
+    )
+    return ap
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    """``Settings`` from the options of ``add_measure_args``."""
+    q = bool(args.quick)
+
+    def pick(value: Any, quick: Any, full: Any) -> Any:
+        return value if value is not None else (quick if q else full)
+
+    return Settings(
+        warmup=pick(args.warmup, 1, 5),
+        steps=pick(args.steps, 3, 20),
+        max_load=args.max_load,
+        retries=pick(args.retries, 0, 2),
+        quiet_timeout=pick(args.quiet_timeout, 0.0, 30.0),
+        threads=args.threads,
+        quick=q,
+    )
+
+
 # ---------------------------------------------------------------------- memory
-def _status_kib(key: str) -> int | None:
+def status_kib(key: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -214,7 +318,7 @@ def _status_kib(key: str) -> int | None:
     return None
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Reset the kernel's peak-RSS counter of this process (VmHWM); False if refused."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -231,7 +335,7 @@ def rss_now_mib() -> dict[str, float | None]:
     of the process this one was forked from (the whole suite), so it is neither resettable
     nor this process's own peak.
     """
-    rss, hwm = _status_kib("VmRSS"), _status_kib("VmHWM")
+    rss, hwm = status_kib("VmRSS"), status_kib("VmHWM")
     return {
         "rss_mib": None if rss is None else rss / 1024,
         "peak_mib": None if hwm is None else hwm / 1024,
@@ -246,7 +350,7 @@ def peak_memory(fn: Callable[[], object], repeats: int = 2) -> dict[str, Any]:
     (the peak of this process minus that of a process that only built the model).
     """
     gc.collect()
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     before = rss_now_mib()
     for _ in range(repeats):
         fn()
@@ -261,15 +365,27 @@ def peak_memory(fn: Callable[[], object], repeats: int = 2) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- records
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": lambda x, v: x <= v,
+    "<": lambda x, v: x < v,
+    ">=": lambda x, v: x >= v,
+    ">": lambda x, v: x > v,
+}
+
+
 @dataclass(frozen=True)
 class Goal:
-    """``ratio <op> value``, e.g. Goal("<=", 1.05)."""
+    """``figure <op> value``, e.g. Goal("<=", 1.05); op is one of <=, <, >=, >."""
 
     op: str
     value: float
 
+    def __post_init__(self) -> None:
+        if self.op not in _OPS:
+            raise ValueError(f"Goal op={self.op!r} is unknown; allowed: {', '.join(_OPS)}")
+
     def met(self, ratio: float) -> bool:
-        return ratio <= self.value if self.op == "<=" else ratio < self.value
+        return _OPS[self.op](ratio, self.value)
 
     def __str__(self) -> str:
         return f"{self.op} {self.value:g}"
@@ -295,7 +411,7 @@ def record(
     met = missed = None
     if goal is not None and ratio is not None and status == "ok":
         met = goal.met(ratio)
-        missed = None if met else round(ratio / goal.value - 1, 4)
+        missed = None if met else round(abs(ratio / goal.value - 1), 4)
     elif goal is not None and status == "failed":
         met = False
     return {

@@ -2,9 +2,10 @@
 
 The contract for other benchmarks (see benchmarks/README.md): a module
 ``benchmarks/bench_<name>.py`` exposes ``main(argv: list[str] | None = None) -> dict`` and
-its recorded results live in ``benchmarks/results/<name>.json``; both carry
-``{"name": <name>, "figures": [{"name", "value", "unit", "goal", "met"}, ...]}``. A result
-without ``figures`` is still shown, with figures derived from its ratio-like entries.
+its recorded result lives in ``benchmarks/results/<name>.json``; both are the dict that
+``bench_result`` builds, ``{"name": <name>, "figures": [figure, ...], "settings", ...}``,
+each figure made by ``figure``. ``check_result`` says what breaks the contract; a result
+that breaks it is an error of the suite, not guessed at.
 """
 
 from __future__ import annotations
@@ -12,113 +13,160 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+from _harness import MALLOC_ENV, Goal
 
 NOTES_START = "<!-- notes: kept by benchmarks/run.py when it rewrites this file -->"
 NOTES_END = "<!-- end of notes -->"
 FIGURE_KEYS = ("name", "value", "unit", "goal", "met")
+FORMAT_VERSION = 1
 
 
-# ---------------------------------------------------------------------- other benchmarks
-def _valid(result: Any) -> bool:
-    figs = result.get("figures") if isinstance(result, dict) else None
-    return isinstance(figs, list) and all(
-        isinstance(f, dict) and {"name", "value"} <= set(f) for f in figs
-    )
+# ---------------------------------------------------------------------- the contract
+def figure(name: str, value: float, unit: str, goal: Goal | None = None) -> dict[str, Any]:
+    """One figure of a benchmark: ``{"name", "value", "unit", "goal", "met"}``."""
+    value = float(value)
+    return {
+        "name": name,
+        "value": round(value, 4) if abs(value) >= 1e-3 else float(f"{value:.4g}"),
+        "unit": unit,
+        "goal": None if goal is None else str(goal),
+        "met": None if goal is None else goal.met(value),
+    }
 
 
-_FIGURE_HINTS = ("ratio", "_over_", "tokens_per_s", "speedup")
-_SKIP = {"setting", "settings", "attempts", "samples", "samples_s", "other_cores", "goals"}
+def bench_result(
+    name: str,
+    figures: list[dict[str, Any]],
+    settings: dict[str, Any],
+    details: dict[str, Any] | None = None,
+    threads: int = 2,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """A benchmark's result: its figures, how it was measured (``settings``: sizes, steps,
+    ``quick``), the machine and command, and ``details`` (absolute times, checks)."""
+    result = {
+        "name": name,
+        "format_version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": command_line(),
+        "machine": machine_facts(threads, device),
+        "settings": settings,
+        "figures": figures,
+        "details": details or {},
+    }
+    problems = check_result(result, name)
+    if problems:
+        raise ValueError(f"bench_{name}: the result breaks the contract: {'; '.join(problems)}")
+    return result
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def write_result(result: dict[str, Any], out: Path | None) -> None:
+    """Write ``result`` as JSON to ``out`` (atomically: a reader never sees half a file)."""
+    if out is None:
+        return
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
 
 
-def derive_figures(result: dict) -> list[dict]:
-    """Figures read from a result without ``figures`` (a tolerant reader): numeric entries up
-    to three levels deep whose name says ratio, _over_, speedup or tokens_per_s; the goal from
-    ``goals[name]`` (or ``goal`` for ``ratio``), met from ``goals_met[name]`` where given."""
-    figs: list[dict] = []
+def check_result(result: Any, name: str | None = None) -> list[str]:
+    """What in ``result`` breaks the contract (empty: it follows it)."""
+    if not isinstance(result, dict):
+        return [f"a result is a dict, got {type(result).__name__}"]
+    problems = []
+    if not isinstance(result.get("name"), str) or not result.get("name"):
+        problems.append(f"'name' must be a non-empty string, got {result.get('name')!r}")
+    elif name is not None and result["name"] != name:
+        problems.append(f"'name' is {result['name']!r}; the file names {name!r}")
+    figs = result.get("figures")
+    if not isinstance(figs, list) or not figs:
+        return [*problems, f"'figures' must be a non-empty list, got {figs!r:.80}"]
+    for i, f in enumerate(figs):
+        where = f"figures[{i}]"
+        if not isinstance(f, dict) or set(f) != set(FIGURE_KEYS):
+            problems.append(f"{where} must have exactly the keys {FIGURE_KEYS}, got {f!r:.120}")
+            continue
+        if not isinstance(f["name"], str) or not f["name"]:
+            problems.append(f"{where}.name must be a non-empty string")
+        v = f["value"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            problems.append(f"{where}.value must be a finite number, got {v!r}")
+        if not isinstance(f["unit"], str) or not f["unit"]:
+            problems.append(f"{where}.unit must be a non-empty string, got {f['unit']!r}")
+        if f["goal"] is None:
+            if f["met"] is not None:
+                problems.append(f"{where}: met={f['met']!r} without a goal")
+        elif not isinstance(f["goal"], str) or not isinstance(f["met"], bool):
+            problems.append(f"{where}: a goal is a string and met a bool, got {f!r:.120}")
+    if not isinstance(result.get("settings"), dict):
+        problems.append("'settings' must be a dict (how it was measured)")
+    return problems
 
-    def walk(d: dict, prefix: str, depth: int) -> None:
-        goals = d.get("goals") if isinstance(d.get("goals"), dict) else {}
-        met = d.get("goals_met") if isinstance(d.get("goals_met"), dict) else {}
-        for k, v in d.items():
-            if k in _SKIP:
-                continue
-            if isinstance(v, dict) and depth < 3:
-                walk(v, f"{prefix}{k}.", depth + 1)
-            elif _number(v) and any(h in k for h in _FIGURE_HINTS):
-                goal = goals.get(k, d.get("goal") if k == "ratio" else None)
-                figs.append(
-                    {
-                        "name": prefix + k,
-                        "value": v,
-                        "unit": "tokens/s" if "per_s" in k else "ratio",
-                        "goal": None if goal is None else str(goal),
-                        "met": met.get(k),
-                    }
-                )
 
-    walk(result, "", 1)
-    return figs
-
-
-def collect_others(bench_dir: Path, run: bool) -> tuple[list[dict], list[str]]:
-    """Figures of the other benchmarks: run each ``bench_*.py``'s ``main([])`` when ``run``,
-    else read what they recorded in ``results/*.json``. Returns (benchmarks, errors)."""
+def collect_others(
+    bench_dir: Path, run: bool, argv: list[str] | None = None, out_dir: Path | None = None
+) -> tuple[list[dict], list[str]]:
+    """Figures of the other benchmarks: with ``run``, each ``bench_*.py``'s ``main(argv)``
+    (``--out out_dir/<name>.json`` added when ``out_dir`` is given); the results recorded in
+    ``bench_dir/results/*.json`` of the benchmarks not run. Returns (benchmarks, errors)."""
     found: dict[str, dict] = {}
     errors: list[str] = []
     if run:
         for path in sorted(bench_dir.glob("bench_*.py")):
             name = path.stem.removeprefix("bench_")
+            args = list(argv or [])
+            if out_dir is not None:
+                args += ["--out", str(out_dir / f"{name}.json")]
             try:
                 spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
                 mod = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = mod  # dataclasses look their module up there
                 spec.loader.exec_module(mod)
-                if not hasattr(mod, "main"):
-                    continue
-                result = mod.main([])
-                source = f"ran {path.name} now"
-                if isinstance(result, dict) and "figures" not in result:
-                    result = {**result, "figures": derive_figures(result)}
-                    source += " (figures derived: it returned no 'figures')"
-                if not _valid(result):
-                    raise ValueError("main() did not return {'figures': [{name, value, ...}]}")
+                result = mod.main(args)
             except Exception as e:
                 errors.append(f"{path.name}: {type(e).__name__}: {e}")
                 continue
-            found[result.get("name", name)] = {**result, "source": source}
+            problems = check_result(result, name)
+            if problems:
+                errors.append(f"{path.name}: main() broke the contract: {'; '.join(problems)}")
+                continue
+            found[name] = {**result, "source": f"ran {path.name} now"}
     for path in sorted((bench_dir / "results").glob("*.json")):
+        if path.stem in found or (run and (bench_dir / f"bench_{path.stem}.py").exists()):
+            continue  # ran now (or broke now: its error says so, not an older figure)
         try:
             result = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             errors.append(f"{path}: unreadable ({e})")
             continue
-        if not isinstance(result, dict):
+        problems = check_result(result, path.stem)
+        if problems:
+            errors.append(f"{path}: breaks the contract: {'; '.join(problems)}")
             continue
-        name = result.get("name", path.stem)
-        source = f"recorded in benchmarks/results/{path.name}"
-        if "figures" not in result:
-            result = {**result, "figures": derive_figures(result)}
-            source += " (figures derived)"
-        if _valid(result) and result["figures"] and name not in found:
-            found[name] = {**result, "source": source}
-    others = [
-        {
-            "name": n,
-            "source": r["source"],
-            "figures": [{k: f.get(k) for k in FIGURE_KEYS} for f in r["figures"]],
-        }
-        for n, r in sorted(found.items())
-    ]
+        found[path.stem] = {**result, "source": f"recorded in benchmarks/results/{path.name}"}
+    others = []
+    for n, r in sorted(found.items()):
+        quick = bool(r.get("settings", {}).get("quick"))
+        others.append(
+            {
+                "name": n,
+                "source": r["source"] + (" (--quick)" if quick else ""),
+                "created": r.get("created"),
+                "figures": [{k: f[k] for k in FIGURE_KEYS} for f in r["figures"]],
+            }
+        )
     return others, errors
 
 
@@ -140,10 +188,7 @@ def machine_facts(threads: int, device: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "malloc_env": all(
-            k in os.environ
-            for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
-        ),
+        "malloc_env": all(k in os.environ for k in MALLOC_ENV),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "device": device,
     }
@@ -298,11 +343,13 @@ def markdown(results: dict, previous: str | None) -> str:
             "|---|---|---:|---|---|---|---|",
         ]
         for o in others:
+            source = o["source"] + (f", {o['created']}" if o.get("created") else "")
             for f in o["figures"]:
-                met = "" if f.get("met") is None else ("yes" if f["met"] else "**no**")
+                met = "" if f["met"] is None else ("yes" if f["met"] else "**no**")
+                name = f["name"].replace("|", "\\|")
                 lines.append(
-                    f"| {o['name']} | {f['name']} | {_fmt(f['value'])} | {f.get('unit') or ''} "
-                    f"| {f.get('goal') or ''} | {met} | {o['source']} |"
+                    f"| {o['name']} | {name} | {f['value']:.4g} | {f['unit']} "
+                    f"| {f['goal'] or ''} | {met} | {source} |"
                 )
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]

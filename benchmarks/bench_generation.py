@@ -1,58 +1,68 @@
 """What does generating with a value head cost? ``HeadedModel.generate`` vs the backbone's own.
 
 Both generate greedily from the same left-padded batch of 8 prompts, 64 new tokens each (no eos,
-so every call makes all 64), in one process, alternated call by call (A B A B ...), median of
-each after warm-up (see shared BENCHMARKING.md):
+so every call makes all 64), in one process, measured by the suite's harness (``_harness``:
+warm-up, calls alternated A B, B A, ..., medians, rerun when other processes loaded the
+machine):
   backbone  LlamaForCausalLM.generate                                     (reference)
   headkit   HeadedModel.generate with the frozen lm_head (it shares the tied embeddings) and one
             value head (one Linear) on the last layer, whose output comes back for every
             generated token, with the log-probability of every token
 The model: a tiny random Llama decoder built from a config (12 layers, hidden 256, vocabulary
 32000, tied embeddings), 2 threads. The figure is tokens/s of headkit ÷ tokens/s of the
-backbone: the ratio of the medians (goal >= 0.95; the median of the per-call-pair ratios is
-reported too). The timed block is repeated
-when other processes used more than 0.2 cores meanwhile (/proc/stat); the quietest block is
-kept and its load reported.
+backbone, the ratio of the medians (goal >= 0.95); the median of the per-call-pair ratios is
+in the details, with whether both generated the same tokens.
 
-Run (writes benchmarks/results/generation.json):
-  MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \
-  MALLOC_TOP_PAD_=536870912 HF_HUB_OFFLINE=1 python benchmarks/bench_generation.py
+Run (writes benchmarks/results/generation.json; ``--quick``: tiny sizes, a smoke test):
+  HF_HUB_OFFLINE=1 python benchmarks/bench_generation.py
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
-import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from _harness import MALLOC_ENV, busy_seconds, own_seconds  # noqa: E402
+from _harness import Goal, add_measure_args, ensure_bench_env, settings_of
+from _report import bench_result, figure, write_result
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from headkit import HeadConfig, HeadedModel
 
-LAYERS, HIDDEN, VOCAB, BATCH, NEW, PROMPT = 12, 256, 32000, 8, 64, 32
-MAX_LOAD = 0.2  # other processes' cores allowed during the timed block
-OUT = Path(__file__).parent / "results" / "generation.json"
+HERE = Path(__file__).resolve().parent
+NAME = "generation"
+GOAL = Goal(">=", 0.95)
 
 
-def build() -> tuple[LlamaForCausalLM, HeadedModel, dict[str, torch.Tensor]]:
-    """The backbone, a HeadedModel on it, and a left-padded batch (prompt lengths 32 down to 11)."""
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 12
+    hidden: int = 256
+    vocab: int = 32000
+    batch: int = 8
+    new: int = 64
+    prompt: int = 32
+
+
+QUICK = Shape(layers=2, hidden=64, vocab=1000, batch=2, new=4, prompt=8)
+
+
+def build(s: Shape) -> tuple[LlamaForCausalLM, HeadedModel, dict[str, torch.Tensor]]:
+    """The backbone, a HeadedModel on it, and a left-padded batch (prompt lengths from
+    ``s.prompt`` down to about a third of it)."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        num_hidden_layers=LAYERS,
-        hidden_size=HIDDEN,
-        intermediate_size=4 * HIDDEN,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=VOCAB,
+        num_hidden_layers=s.layers,
+        hidden_size=s.hidden,
+        intermediate_size=4 * s.hidden,
+        num_attention_heads=max(1, s.hidden // 64),
+        num_key_value_heads=max(1, s.hidden // 64),
+        vocab_size=s.vocab,
         tie_word_embeddings=True,
         bos_token_id=1,
-        eos_token_id=None,  # no row stops early: every call generates NEW tokens
+        eos_token_id=None,  # no row stops early: every call generates s.new tokens
         pad_token_id=0,
     )
     hf = LlamaForCausalLM(cfg).eval()
@@ -61,87 +71,72 @@ def build() -> tuple[LlamaForCausalLM, HeadedModel, dict[str, torch.Tensor]]:
         HeadConfig("value", num_outputs=1, is_regression=True, loss_fct="mse"),
     ]
     headed = HeadedModel(hf, heads).eval()
-    ids = torch.randint(3, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
-    lengths = torch.linspace(PROMPT, 11, BATCH).long()
-    mask = (torch.arange(PROMPT)[None, :] >= PROMPT - lengths[:, None]).long()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, s.vocab, (s.batch, s.prompt), generator=g)
+    lengths = torch.linspace(s.prompt, max(1, s.prompt // 3), s.batch).long()
+    mask = (torch.arange(s.prompt)[None, :] >= s.prompt - lengths[:, None]).long()
     return hf, headed, {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
-def timed_block(runs: dict, warmup: int, steps: int) -> dict:
-    """Alternate the runs ``steps`` times after ``warmup``: median seconds of each, the median
-    of the per-pair ratios backbone / headkit, the other processes' cores, and the wall time."""
-    for _ in range(warmup):
-        for fn in runs.values():
-            fn()
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    b0, o0, t0 = busy_seconds(), own_seconds(), time.perf_counter()
-    for _ in range(steps):
-        for name, fn in runs.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    wall = time.perf_counter() - t0
-    other = max(0.0, (busy_seconds() - b0) - (own_seconds() - o0)) / wall
-    pairs = [b / h for b, h in zip(times["backbone"], times["headkit"])]
-    return {
-        **{f"{n}_s": statistics.median(v) for n, v in times.items()},
-        "ratio": statistics.median(pairs),
-        "other_cores": other,
-        "wall_s": wall,
-    }
-
-
 def main(argv: list[str] | None = None) -> dict:
+    """Measure; return (and write to --out) the result with its figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--retries", type=int, default=2, help="repeats of a block run under load")
-    ap.add_argument("--out", default=str(OUT))
+    add_measure_args(ap)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / f"{NAME}.json")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    hf, headed, batch = build()
-    settings = dict(max_new_tokens=NEW, do_sample=False)
-    # same tokens, and the value head's output for each of them
-    check = headed.generate(**batch, **settings)
-    same = torch.equal(check.sequences, hf.generate(**batch, **settings))
-    assert check.head_outputs["value"].shape == (BATCH, NEW, 1)
-    runs = {
-        "backbone": lambda: hf.generate(**batch, **settings),
-        "headkit": lambda: headed.generate(**batch, **settings),
-    }
-    attempts = []
+    st = settings_of(args)
+    shape = QUICK if st.quick else Shape()
+    torch.set_num_threads(st.threads)
+    hf, headed, batch = build(shape)
+    settings = {"max_new_tokens": shape.new, "do_sample": False}
     with torch.inference_mode():
-        for _ in range(args.retries + 1):
-            attempts.append(timed_block(runs, args.warmup, args.steps))
-            print(json.dumps(attempts[-1]), flush=True)
-            if attempts[-1]["other_cores"] <= MAX_LOAD:
-                break
-    best = min(attempts, key=lambda a: a["other_cores"])  # the quietest block
-    tokens = BATCH * NEW
-    result = {
-        "setting": (
-            f"Llama {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB} (tied), batch {BATCH}, "
-            f"prompts {PROMPT} left-padded, {NEW} new tokens, greedy, {args.threads} threads; "
-            f"{args.steps} alternated calls after {args.warmup} warm-up"
+        check = headed.generate(**batch, **settings)
+        same = torch.equal(check.sequences, hf.generate(**batch, **settings))
+    if check.head_outputs["value"].shape != (shape.batch, shape.new, 1):
+        raise RuntimeError(f"value head outputs of shape {check.head_outputs['value'].shape}")
+
+    def inference(fn):
+        def run():
+            with torch.inference_mode():
+                return fn()
+
+        return run
+
+    t = st.measure(
+        {
+            "backbone": inference(lambda: hf.generate(**batch, **settings)),
+            "headkit": inference(lambda: headed.generate(**batch, **settings)),
+        }
+    )
+    tokens = shape.batch * shape.new
+    pairs = [b / h for b, h in zip(t.samples["backbone"], t.samples["headkit"])]
+    figures = [
+        figure(
+            "tokens/s, HeadedModel.generate (lm_head + value head) ÷ the backbone's generate",
+            t.ratio("backbone", "headkit"),  # (tokens / headkit_s) / (tokens / backbone_s)
+            "ratio",
+            GOAL,
         ),
-        "backbone_tokens_per_s": round(tokens / best["backbone_s"], 1),
-        "headkit_tokens_per_s": round(tokens / best["headkit_s"], 1),
-        "ratio": round(best["backbone_s"] / best["headkit_s"], 4),  # of the medians
-        "median_of_pair_ratios": round(best["ratio"], 4),
-        "goal": 0.95,
+        figure("tokens/s, HeadedModel.generate", tokens / t.median["headkit"], "tokens/s"),
+        figure("tokens/s, the backbone's generate", tokens / t.median["backbone"], "tokens/s"),
+    ]
+    details = {
+        **t.summary(tokens),
+        "median_of_pair_ratios": round(statistics.median(pairs), 4),
         "same_tokens": same,
-        "other_cores": round(best["other_cores"], 3),
-        "load_ok": best["other_cores"] <= MAX_LOAD,
-        "attempts": [{k: round(v, 4) for k, v in a.items()} for a in attempts],
-        "malloc_env": all(k in os.environ for k in MALLOC_ENV),
-        "command": " ".join(["python", *sys.argv]),
+        "loads": t.loads,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    setting = {
+        **st.as_dict(),
+        "model": {**asdict(shape), "arch": "random LlamaForCausalLM, tied embeddings"},
+        "generate": {**settings, "prompts": "left-padded"},
+    }
+    result = bench_result(NAME, figures, setting, details, threads=st.threads)
+    write_result(result, args.out)
+    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
     return result
 
 
 if __name__ == "__main__":
+    ensure_bench_env()
     main()

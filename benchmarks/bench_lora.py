@@ -1,8 +1,9 @@
 """What does a LoRA train step with a head cost? ``create_headed_qlora`` vs peft's own recipe.
 
-One process, the scenarios alternated step by step (A B C A B C ...), median of each, per
-shared BENCHMARKING.md. A tiny randomly initialised 12-layer Llama (hidden 256, batch
-8 x 128 tokens, 2 threads), LoRA r=8 alpha=16 on the same targets, AdamW, a full train step
+One process, the suite's harness (``_harness``: warm-up, the scenarios alternated step by step
+A B C, C B A, ..., medians, rerun when other processes loaded the machine), per shared
+BENCHMARKING.md. A tiny randomly initialised 12-layer Llama (hidden 256, batch 8 x 128
+tokens, 2 threads), LoRA r=8 alpha=16 on the same targets, AdamW, a full train step
 (forward, backward, optimizer step):
 
   peft     peft's recipe: LlamaForSequenceClassification + LoraConfig(task_type="SEQ_CLS")
@@ -11,53 +12,59 @@ shared BENCHMARKING.md. A tiny randomly initialised 12-layer Llama (hidden 256, 
            headkit's default targets, which are the same every-linear-of-every-block set
   layer2   create_headed_qlora, the head on layer 2 of 12: early exit, LoRA in blocks 0-1
 
-Goals: last / peft <= 1.05; layer2 / peft (the full step) <= 0.3. Each round (one step of
-each scenario) is checked for other processes' CPU load (/proc/stat); rounds over 0.2 cores
-are left out of the medians when enough clean rounds remain; ``paired_*`` are the medians of
-the per-round ratios. Cross-check: the same steps on one thread, CPU seconds per step, which
-other processes' load hardly moves (on two threads, waiting threads spin and it would).
+Goals (ratios of the medians): last / peft <= 1.05; layer2 / peft (the full step) <= 0.3.
+Cross-check: the same steps on one thread, this process's CPU seconds per step, which other
+processes' load hardly moves (on two threads, waiting threads may spin).
 
-Run: make bench, or
-  MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \\
-  MALLOC_TOP_PAD_=536870912 HF_HUB_OFFLINE=1 python benchmarks/bench_lora.py
+Run (writes benchmarks/results/lora.json; ``--quick``: tiny sizes, a smoke test):
+  HF_HUB_OFFLINE=1 python benchmarks/bench_lora.py
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import sys
 import tempfile
-import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from _harness import MALLOC_ENV, busy_seconds  # noqa: E402
+from _harness import Goal, add_measure_args, ensure_bench_env, settings_of
+from _report import bench_result, figure, write_result
 from peft import LoraConfig, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from headkit import HeadConfig, create_headed_qlora
 
-LAYERS, HIDDEN, BATCH, SEQ, VOCAB = 12, 256, 8, 128, 1000
+HERE = Path(__file__).resolve().parent
+NAME = "lora"
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0}
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MAX_LOAD = 0.2  # cores used by other processes during a round before it is left out
-RESULTS = Path(__file__).parent / "results" / "lora.json"
+GOALS = {"last": Goal("<=", 1.05), "layer2": Goal("<=", 0.3)}
 
 
-def save_base(folder: Path) -> Path:
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 12
+    hidden: int = 256
+    batch: int = 8
+    seq: int = 128
+    vocab: int = 1000
+
+
+QUICK = Shape(layers=4, hidden=64, batch=2, seq=16)
+
+
+def save_base(folder: Path, s: Shape) -> Path:
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        num_hidden_layers=LAYERS,
-        hidden_size=HIDDEN,
-        intermediate_size=4 * HIDDEN,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=VOCAB,
+        num_hidden_layers=s.layers,
+        hidden_size=s.hidden,
+        intermediate_size=4 * s.hidden,
+        num_attention_heads=max(1, s.hidden // 64),
+        num_key_value_heads=max(1, s.hidden // 64),
+        vocab_size=s.vocab,
         pad_token_id=0,
     )
     LlamaForCausalLM(cfg).save_pretrained(folder)
@@ -75,12 +82,12 @@ def adapted(module: torch.nn.Module) -> set[str]:
     return out
 
 
-def scenarios(base: Path) -> tuple[dict[str, Callable[[], float]], dict[str, int]]:
+def scenarios(base: Path, s: Shape) -> tuple[dict[str, Callable[[], float]], dict[str, int]]:
     """One train step per scenario (each with its own model and AdamW)."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(3, s.vocab, (s.batch, s.seq), generator=g)
     mask = torch.ones_like(ids)
-    labels = torch.randint(0, 2, (BATCH,), generator=g)
+    labels = torch.randint(0, 2, (s.batch,), generator=g)
 
     torch.manual_seed(0)
     seq_cls = LlamaForSequenceClassification.from_pretrained(base, num_labels=2)
@@ -121,93 +128,67 @@ def scenarios(base: Path) -> tuple[dict[str, Callable[[], float]], dict[str, int
     return runs, trainable
 
 
-def time_rounds(runs: dict[str, Callable[[], float]], warmup: int, rounds: int) -> list[dict]:
-    for _ in range(warmup):
-        for fn in runs.values():
-            fn()
-    out = []
-    for _ in range(rounds):
-        busy0, own0, t0 = busy_seconds(), time.process_time(), time.perf_counter()
-        times = {}
-        for name, fn in runs.items():
-            t = time.perf_counter()
-            fn()
-            times[name] = time.perf_counter() - t
-        wall = time.perf_counter() - t0
-        times["other_cores"] = (busy_seconds() - busy0 - (time.process_time() - own0)) / wall
-        out.append(times)
-    return out
-
-
-def cpu_one_thread(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Median CPU seconds per step on one thread, the scenarios alternated."""
-    torch.set_num_threads(1)
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    for i in range(rounds + 2):  # two warm-up rounds at the new thread count
-        for name, fn in runs.items():
-            c = time.process_time()
-            fn()
-            if i >= 2:
-                times[name].append(time.process_time() - c)
-    return {n: statistics.median(v) for n, v in times.items()}
-
-
 def main(argv: list[str] | None = None) -> dict:
+    """Measure; return (and write to --out) the result with its figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument(
-        "--min-clean", type=int, default=10, help="clean rounds needed to drop loaded ones"
-    )
-    ap.add_argument("--cpu-rounds", type=int, default=6, help="1-thread CPU-time rounds")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    add_measure_args(ap)
+    ap.add_argument("--cpu-steps", type=int, default=None, help="1-thread CPU-time steps (6)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / f"{NAME}.json")
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    st = settings_of(args)
+    shape = QUICK if st.quick else Shape()
+    cpu_steps = args.cpu_steps or (2 if st.quick else 6)
+    torch.set_num_threads(st.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        runs, trainable = scenarios(save_base(Path(tmp) / "llama"))
-        rounds = time_rounds(runs, args.warmup, args.rounds)
-        cpu = cpu_one_thread(runs, args.cpu_rounds)
-        torch.set_num_threads(2)
-    clean = [r for r in rounds if r["other_cores"] <= MAX_LOAD]
-    used = clean if len(clean) >= args.min_clean else rounds
-    med = {n: statistics.median(r[n] for r in used) for n in runs}
-    result = {
-        "setting": {
-            "model": f"random Llama, {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}",
-            "batch": f"{BATCH} x {SEQ} tokens",
-            "lora": {**LORA, "targets": "every linear layer of the blocks that run"},
-            "step": "forward + backward + AdamW step",
-            "threads": 2,
-            "torch": torch.__version__,
-            "malloc_env": all(k in os.environ for k in MALLOC_ENV),
-            "warmup": args.warmup,
-            "rounds": args.rounds,
-            "argv": list(argv) if argv is not None else None,
-        },
-        "median_ms": {n: v * 1e3 for n, v in med.items()},
+        runs, trainable = scenarios(save_base(Path(tmp) / "llama", shape), shape)
+        t = st.measure(runs)
+        torch.set_num_threads(1)  # the cross-check: CPU seconds per step on one thread
+        one = st.measure(runs, warmup=2, steps=cpu_steps)
+        torch.set_num_threads(st.threads)
+    figures = [
+        figure(
+            "train step, headed LoRA, head on the last layer ÷ peft's recipe",
+            t.ratio("last", "peft"),
+            "ratio",
+            GOALS["last"],
+        ),
+        figure(
+            "train step, headed LoRA, head on layer 2 ÷ peft's recipe",
+            t.ratio("layer2", "peft"),
+            "ratio",
+            GOALS["layer2"],
+        ),
+        figure(
+            "one thread, CPU time: head on the last layer ÷ peft's recipe",
+            one.cpu_ratio("last", "peft"),
+            "ratio",
+        ),
+        figure(
+            "one thread, CPU time: head on layer 2 ÷ peft's recipe",
+            one.cpu_ratio("layer2", "peft"),
+            "ratio",
+        ),
+    ]
+    details = {
+        **t.summary(shape.batch * shape.seq),
+        "loads": t.loads,
+        "layer2_over_last": round(t.ratio("layer2", "last"), 4),
         "trainable_params": trainable,
-        "last_over_peft": med["last"] / med["peft"],
-        "layer2_over_peft": med["layer2"] / med["peft"],
-        "layer2_over_last": med["layer2"] / med["last"],
-        # the same ratios taken within each round (paired: robust to load drifting across rounds)
-        "paired_last_over_peft": statistics.median(r["last"] / r["peft"] for r in used),
-        "paired_layer2_over_peft": statistics.median(r["layer2"] / r["peft"] for r in used),
-        # one thread, CPU seconds per step: no thread waits on another, so other processes
-        # taking the cores hardly change it (the cross-check when the machine was loaded)
-        "cpu_1thread_ms": {n: v * 1e3 for n, v in cpu.items()},
-        "cpu_1thread_last_over_peft": cpu["last"] / cpu["peft"],
-        "cpu_1thread_layer2_over_peft": cpu["layer2"] / cpu["peft"],
-        "goals": {"last_over_peft": 1.05, "layer2_over_peft": 0.3},
-        "rounds_used": len(used),
-        "rounds_clean": len(clean),
-        "other_cores_median": statistics.median(r["other_cores"] for r in rounds),
+        "one_thread": one.summary(),
     }
-    result["goals_met"] = {k: result[k] <= v for k, v in result["goals"].items()}
-    print(json.dumps(result, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    setting = {
+        **st.as_dict(),
+        "model": {**asdict(shape), "arch": "random Llama"},
+        "lora": {**LORA, "targets": "every linear layer of the blocks that run"},
+        "step": "forward + backward + AdamW step",
+        "cpu_steps": cpu_steps,
+    }
+    result = bench_result(NAME, figures, setting, details, threads=st.threads)
+    write_result(result, args.out)
+    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
     return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ensure_bench_env()
+    main()

@@ -19,7 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import ensure_bench_env  # noqa: E402  (stdlib only: cheap before re-exec)
+from _harness import (  # noqa: E402  (stdlib only: cheap before re-exec)
+    add_measure_args,
+    ensure_bench_env,
+    settings_of,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -29,7 +33,7 @@ def parse_args(argv: list[str] | None):
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
+    add_measure_args(ap)  # --quick, --threads, --warmup, --steps, --max-load, ...
     ap.add_argument("--only", default="abcdefghi", help="scenario letters, e.g. a,b,e")
     ap.add_argument(
         "--arch",
@@ -42,18 +46,12 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--hidden", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--max-load", type=float, default=0.2, help="other cores before a rerun")
-    ap.add_argument("--retries", type=int, default=None, help="reruns of a loaded scenario")
     ap.add_argument(
-        "--quiet-timeout",
-        type=float,
-        default=None,
-        help="seconds to wait for a quiet machine before each timing (default 30, quick 0)",
+        "--with-others",
+        action="store_true",
+        help="also run benchmarks/bench_*.py (with --quick: their quick runs); each writes "
+        "its result beside --out, in results/<name>.json",
     )
-    ap.add_argument("--with-others", action="store_true", help="also run benchmarks/bench_*.py")
     ap.add_argument("--out", type=Path, default=HERE / "results.json")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument(
@@ -100,19 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         mem_batch=base.mem_batch,
         mem_seq=base.mem_seq,
     )
-    q = args.quick
+    q, st = args.quick, settings_of(args)
     ctx = Context(
         sizes=sizes,
-        warmup=args.warmup if args.warmup is not None else (1 if q else 5),
-        steps=args.steps if args.steps is not None else (3 if q else 20),
-        max_load=args.max_load,
-        retries=args.retries if args.retries is not None else (0 if q else 2),
+        warmup=st.warmup,
+        steps=st.steps,
+        max_load=st.max_load,
+        retries=st.retries,
         device=args.device,
         dtype=args.dtype,
-        threads=args.threads,
+        threads=st.threads,
         cached_batches=1 if q else 8,
         mem_repeats=1 if q else 3,
-        quiet_timeout=args.quiet_timeout if args.quiet_timeout is not None else (0 if q else 30),
+        quiet_timeout=st.quiet_timeout,
     )
     t0 = time.perf_counter()
     order = {c: i for i, c in enumerate(SCENARIOS)}
@@ -167,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             # after every scenario, so an interrupted run keeps what it measured (--merge)
             write({**assemble(records, [], []), "partial": True}, args.out, None)
-    others, other_errors = collect_others(HERE, run=args.with_others)
+    argv = ["--threads", str(args.threads)] + (["--quick"] if q else [])
+    others, other_errors = collect_others(HERE, args.with_others, argv, args.out.parent / "results")
     errors = [f"{r['name']} ({r['arch']}): {r['note']}" for r in records if r["status"] == "error"]
     errors += other_errors
     results = assemble(records, others, errors)
