@@ -17,7 +17,7 @@ rotten-tomatoes review snippets (max length 128), 2 threads, one process.
 Timed by the suite's harness (``_harness``: the sides alternated A B, B A, ..., medians,
 rerun when other processes loaded the machine) after a warm-up of both on 256 texts (none
 with --quick): sweep and forward ``--repeats`` times (goal: sweep / forward <= 1.2, wall
-time; the CPU-time ratio beside it), the full sweep (3 seeds, control task) and forward
+time; the CPU-time ratio beside it), the full sweep (3 validation splits, control task) and forward
 twice, the recipe and the sweep once. Accuracies: the sweep against the recipe (defaults),
 and the sweep with sklearn's regularisation against sklearn on the same rows (matched: two
 optimisers, one problem).
@@ -132,13 +132,6 @@ def fit_rows(tok, texts, labels, max_length: int) -> list[int]:
     return train_examples[split["fit"][0]].tolist()
 
 
-def _splits_name() -> str:
-    """The keyword of ``probe_layers`` for the number of validation splits (seeds)."""
-    import inspect
-
-    params = inspect.signature(probe_layers).parameters
-    return "val_splits" if "val_splits" in params else "seeds"
-
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -184,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     t = st.measure({"sweep": sweep(), "forward": forward}, warmup=0, steps=repeats)
     result = held["sweep"]
     full_t = st.measure(
-        {"full_sweep": sweep(key="full", control=True, **{_splits_name(): 3}), "forward": forward},
+        {"full_sweep": sweep(key="full", control=True, val_splits=3), "forward": forward},
         warmup=0,
         steps=1 if st.quick else 2,
     )
@@ -229,7 +222,7 @@ def _result(args, st, texts, tok, t, full_t, recipe_t, result, full, acc) -> dic
             "layer sweep ÷ one forward pass, CPU time", t.cpu_ratio("sweep", "forward"), "ratio"
         ),
         figure(
-            "sweep with 3 seeds and the control task ÷ one forward pass",
+            "sweep with 3 validation splits and the control task ÷ one forward pass",
             full_t.ratio("full_sweep", "forward"),
             "ratio",
         ),
@@ -305,13 +298,13 @@ def _markdown(r: dict) -> str:
         f"{s['repeats']} runs | {ms['forward'] / 1e3:.2f} |",
         "| `probe_layers` defaults: all 7 layers, mean pooling, 1 seed, 5 L2 values, "
         f"{s['repeats']} runs | {d['timing']['ms']['sweep'] / 1e3:.2f} |",
-        f"| `probe_layers(..., seeds=3, control=True)`, {d['full_sweep_timing']['steps']} "
+        f"| `probe_layers(..., val_splits=3, control=True)`, {d['full_sweep_timing']['steps']} "
         f"runs | {ms['full_sweep'] / 1e3:.2f} |",
         "| usual recipe: output_hidden_states + sklearn LogisticRegression per layer, 1 run "
         f"| {ms['recipe'] / 1e3:.2f} |",
         "",
         f"**sweep / forward = {fig[names[0]]:.2f}** in wall time (goal {r['figures'][0]['goal']}), "
-        f"{fig[names[1]]:.2f} in this process's CPU time; with 3 seeds and the control task "
+        f"{fig[names[1]]:.2f} in this process's CPU time; with 3 validation splits and the control task "
         f"{fig[names[2]]:.2f}; usual recipe / sweep = {fig[names[3]]:.2f}. Other processes "
         f"used {d['timing']['other_cores']:.2f} cores during the sweep/forward timing. Phases "
         "of the last sweep (s): "
