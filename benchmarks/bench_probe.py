@@ -132,7 +132,6 @@ def fit_rows(tok, texts, labels, max_length: int) -> list[int]:
     return train_examples[split["fit"][0]].tolist()
 
 
-
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_measure_args(ap)
@@ -304,8 +303,8 @@ def _markdown(r: dict) -> str:
         f"| {ms['recipe'] / 1e3:.2f} |",
         "",
         f"**sweep / forward = {fig[names[0]]:.2f}** in wall time (goal {r['figures'][0]['goal']}), "
-        f"{fig[names[1]]:.2f} in this process's CPU time; with 3 validation splits and the control task "
-        f"{fig[names[2]]:.2f}; usual recipe / sweep = {fig[names[3]]:.2f}. Other processes "
+        f"{fig[names[1]]:.2f} in this process's CPU time; with 3 validation splits and the control "
+        f"task {fig[names[2]]:.2f}; usual recipe / sweep = {fig[names[3]]:.2f}. Other processes "
         f"used {d['timing']['other_cores']:.2f} cores during the sweep/forward timing. Phases "
         "of the last sweep (s): "
         + ", ".join(f"{k} {v:.2f}" for k, v in d["sweep_phases_last"].items())
