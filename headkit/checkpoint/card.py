@@ -26,7 +26,7 @@ import yaml
 from ..config import HeadConfig
 from .lock import folder_lock
 from .manifest import MANIFEST, fsync_file, sha256_file
-from .paths import read_raw
+from .paths import _REPO_ID, read_raw
 
 CARD = "README.md"
 #: A head's layout → the hub's pipeline tag.
@@ -82,10 +82,8 @@ def base_model_of(source: Any) -> str | None:
     (a local folder)."""
     if isinstance(source, dict):
         return PACKAGED_BASE_MODELS.get(str(source.get("package")))
-    if isinstance(source, str) and source and not os.path.isabs(source):
-        if not os.path.exists(source) and source.count("/") <= 1:
-            return source
-    return None
+    hub_id = isinstance(source, str) and bool(_REPO_ID.fullmatch(source))
+    return source if hub_id and not os.path.exists(source) else None
 
 
 # ---------------------------------------------------------------------- writing
