@@ -93,7 +93,7 @@ def write_card(
     """Write the card of ``manifest`` to ``root/README.md`` when the folder holds none or
     headkit's own (see the module docstring); return the manifest's ``"card"`` entry, or None
     when the README is the user's. Called by ``save_checkpoint`` with the folder lock held."""
-    if not _ours(root, previous):
+    if not owns_card(root, previous):
         return None
     entry: dict[str, Any] = {"file": CARD}
     src = getattr(model, "source", None)
@@ -124,7 +124,7 @@ def refresh_card(
     root = Path(checkpoint_dir)
     with folder_lock(root):
         manifest = read_raw(root / MANIFEST)
-        if not isinstance(manifest, dict) or not _ours(root, manifest):
+        if not isinstance(manifest, dict) or not owns_card(root, manifest):
             return False
         entry = {k: v for k, v in (manifest.get("card") or {}).items() if k != "sha256"}
         entry["file"] = CARD
@@ -141,9 +141,9 @@ def refresh_card(
     return True
 
 
-def _ours(root: Path, previous: Any) -> bool:
+def owns_card(root: Path, previous: Any) -> bool:
     """Whether headkit may write ``root/README.md``: there is none, or it is the card the
-    (previous) manifest records, unchanged."""
+    (raw) manifest ``previous`` records, unchanged."""
     path = root / CARD
     if not os.path.lexists(path):
         return True

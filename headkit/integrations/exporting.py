@@ -34,13 +34,16 @@ def sample_batches(
     avoid: int | None = None,
     token_types: int = 0,
     seed: int = 0,
+    sides: tuple[str, ...] = ("right", "left"),
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Random batches of ``VERIFY_SHAPES`` (lengths capped at ``max_length``): ids in
     ``0..vocab-1`` (never ``avoid``, e.g. the pad id), rows of different lengths padded on
     the shape's side (padding holds ``avoid`` when given), ``token_type_ids`` (0 then 1 for
-    the second half of a row) when ``token_types`` > 1."""
+    the second half of a row) when ``token_types`` > 1. ``sides``: the padding sides to give."""
     g = torch.Generator().manual_seed(seed)
     for batch, seq, side in VERIFY_SHAPES:
+        if side not in sides:
+            continue
         seq = min(seq, max_length) if max_length else seq
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
         if avoid is not None:
