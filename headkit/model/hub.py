@@ -124,7 +124,7 @@ def stage(
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
     manifest = read_raw(target / MANIFEST)
-    _check_backbone(manifest.get("backbone") if isinstance(manifest, dict) else None)
+    _check_backbone(manifest.get("backbone") if isinstance(manifest, dict) else None, target)
     refresh_card(target, title=repo_id)
     try:
         read_checkpoint(target)
@@ -158,11 +158,15 @@ def _copy_folder(folder: Path, target: Path, skip: set[str] | None = None) -> li
     return left_out
 
 
-def _check_backbone(bb: Any) -> None:
-    """A referenced backbone must be a hub id with the commit it was loaded at."""
+def _check_backbone(bb: Any, target: Path) -> None:
+    """A referenced backbone must be a hub id with the commit it was loaded at (or a folder
+    inside the staged checkpoint, which goes along)."""
     if not isinstance(bb, dict) or bb.get("kind") != "reference":
         return
     source, revision = bb.get("source"), (bb.get("kwargs") or {}).get("revision")
+    inside = in_use({"backbone": bb}) - {MANIFEST}  # a folder inside the checkpoint, if any
+    if inside and all((target / name).is_dir() for name in inside):
+        return
     fix = (
         "pass include_backbone=True (headkit push --include-backbone) to upload the backbone "
         "with the heads, or load the backbone from the hub (load_headed('org/name', ...)) "
