@@ -25,7 +25,7 @@ import yaml
 
 from ..config import HeadConfig
 from .lock import folder_lock
-from .manifest import MANIFEST, fsync_file, sha256_file
+from .manifest import MANIFEST, fsync_dir, fsync_file, sha256_file
 from .paths import _REPO_ID, read_raw
 
 CARD = "README.md"
@@ -138,6 +138,7 @@ def refresh_card(
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
         fsync_file(tmp)
         os.replace(tmp, root / MANIFEST)
+        fsync_dir(root)
     return True
 
 

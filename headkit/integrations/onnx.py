@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -283,6 +284,25 @@ def _dynamo_export(
     opset: Any,
 ) -> None:
     big = sum(p.numel() * p.element_size() for p in graph.parameters()) > EXTERNAL_DATA_BYTES
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # "torchvision is not installed. Skipping ..." and the like
+    try:
+        _run_dynamo(graph, args, path, inputs, names, axes, opset, big)
+    finally:
+        logger.setLevel(level)
+
+
+def _run_dynamo(
+    graph: ExportGraph,
+    args: tuple,
+    path: Path,
+    inputs: list[str],
+    names: list[str],
+    axes: dict,
+    opset: Any,
+    big: bool,
+) -> None:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's chatter about its internals
         torch.onnx.export(
