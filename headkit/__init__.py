@@ -45,6 +45,7 @@ _LAZY: dict[str, str] = {
     "cache_features": "features",
     "create_headed_qlora": "integrations.peft",
     "evaluate_head_wise": "metrics",
+    "export": "deploy",
     "get_model_params": "integrations.transformer_heads",
     "get_top_n_preds": "integrations.transformer_heads",
     "load_headed": "loading",
@@ -89,6 +90,7 @@ __all__ = [
     "cache_features",
     "create_headed_qlora",
     "evaluate_head_wise",
+    "export",
     "get_model_params",
     "get_top_n_preds",
     "load_headed",
@@ -120,6 +122,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, not in __all__)
     from .config import HeadConfig
     from .data.collator import HeadedCollator
+    from .deploy import export
     from .errors import (
         BatchError,
         CheckpointError,

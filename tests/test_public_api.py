@@ -76,7 +76,7 @@ def test_every_name_stays_importable(name) -> None:
 
 
 def test_all_is_what_a_user_needs() -> None:
-    added = {"WEIGHTINGS"}  # a registry like LOSSES, HEADS and POOLINGS
+    added = {"WEIGHTINGS", "export"}  # a registry like LOSSES, HEADS and POOLINGS; deploying
     assert set(headkit.__all__) == (set(NAMES_BEFORE) - BY_NAME_ONLY - {"__version__"}) | added
     assert len(headkit.__all__) == len(set(headkit.__all__))
 

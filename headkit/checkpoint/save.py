@@ -28,6 +28,7 @@ from ..backbone.tying import tied_head_weights
 from ..errors import CheckpointError, ConfigError
 from ..losses.weighting import savable_config
 from .adapters import quantization_entry, write_adapter
+from .card import write_card
 from .journal import PendingSave, recover
 from .lock import folder_lock
 from .manifest import (
@@ -110,6 +111,9 @@ def save_checkpoint(
             tied = tied_head_weights(model.backbone, model.heads)
             if tied:  # shared with the backbone's input embeddings: re-tied on load, not written
                 manifest[TIED] = tied
+            card = write_card(model, root, manifest, previous, token)  # README.md (card.py)
+            if card is not None:
+                manifest["card"] = card
             _commit(root, manifest, token)
     return root
 
@@ -150,6 +154,7 @@ def _names(token: str) -> list[str]:
         f"adapter-{token}",
         f".tmp-adapter-{token}",
         f".tmp-{MANIFEST}-{token}",
+        f".tmp-README.md-{token}",  # the model card's (card.py)
     ]
 
 

@@ -1,4 +1,5 @@
-"""The ``headkit`` command line: ``probe``, ``train``, ``eval``, ``predict`` and ``demo``.
+"""The ``headkit`` command line: ``probe``, ``train``, ``eval``, ``predict``, ``demo``,
+``export`` and ``push``.
 
 Runs as ``headkit ...`` (console script) or ``python -m headkit ...``. This module holds the
 parser and the dispatch; each command is a module with ``add_arguments(parser)`` (argparse
@@ -15,10 +16,11 @@ import sys
 from collections.abc import Iterator
 
 from ..errors import HeadkitError
-from . import demo, evaluate, predict, probe, train
+from . import demo, evaluate, export, predict, probe, push, train
 
 #: Command name -> its module (``HELP``, ``EXAMPLE``, ``add_arguments``, ``run``).
 COMMANDS = {"probe": probe, "train": train, "eval": evaluate, "predict": predict, "demo": demo}
+COMMANDS.update(export=export, push=push)
 
 #: Library messages that start with a parameter name are reported as the option's error.
 _OPTIONS = {

@@ -185,6 +185,23 @@ class PreTrainedConveniences:
             head.config = cfg
         return emb
 
+    # ------------------------------------------------------------------ hub and pipelines
+    def can_generate(self) -> bool:
+        """True exactly when a head is a causal-LM head (what pipelines and Trainer ask)."""
+        return any(c.is_causal_lm for c in self.head_configs.values())
+
+    @property
+    def name_or_path(self) -> str:
+        """The backbone's ``name_or_path`` (its hub id or folder)."""
+        return str(getattr(self.backbone, "name_or_path", "") or "")
+
+    def push_to_hub(self, repo_id: str, **options: Any) -> Any:
+        """Save to a staged folder with its model card and upload it to hub repo ``repo_id``;
+        ``dry_run=True`` only stages it (options and refusals: ``headkit.model.hub``)."""
+        from .hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **{"model_cls": type(self), **options})
+
     # ------------------------------------------------------------------ parameters
     @property
     def dtype(self) -> torch.dtype:

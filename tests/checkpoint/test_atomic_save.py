@@ -199,5 +199,6 @@ def test_the_next_save_clears_what_an_interrupted_one_left(interrupted, tmp_path
     model = HeadedModel.from_pretrained(folder)
     model.save_pretrained(folder)
     names = sorted(p.name for p in folder.iterdir())
-    assert [n.split("-")[0] for n in names] == ["backbone", "head_configs.json", "heads"], names
+    expected = ["README.md", "backbone", "head_configs.json", "heads"]
+    assert [n.split("-")[0] for n in names] == expected, names
     assert same(predict(folder, IDS, MASK), interrupted["v1"])

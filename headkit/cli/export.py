@@ -1,0 +1,66 @@
+"""``headkit export CHECKPOINT --format onnx --output DIR``: a checkpoint in a format other
+stacks serve: one ONNX graph of every head, or one head as a plain transformers classifier
+(``headkit.export``). Importing this module imports argparse only; ``run`` imports the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import add_quiet
+
+HELP = "export a checkpoint as ONNX (every head) or a plain transformers classifier (one head)"
+EXAMPLE = """example:
+  headkit export runs/sentiment --format onnx --output runs/sentiment-onnx
+  headkit export runs/sentiment --format transformers --output runs/sentiment-hf
+the ONNX folder holds model.onnx, headkit_onnx.json (what each output is) and the tokenizer;
+the transformers folder loads with AutoModelForSequenceClassification (or
+AutoModelForTokenClassification)"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument(
+        "--format", choices=("onnx", "transformers"), default="onnx", help="default onnx"
+    )
+    p.add_argument("--output", required=True, help="the folder to write")
+    p.add_argument(
+        "--head",
+        action="append",
+        metavar="NAME",
+        help="export this head (repeatable for onnx; default: every head, or the only one)",
+    )
+    p.add_argument("--atol", type=float, default=1e-4, help="verification tolerance (1e-4)")
+    p.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's)")
+    p.add_argument("--pad-token-id", type=int, help="transformers, decoders: the pad id")
+    add_quiet(p)
+
+
+def run(args: argparse.Namespace) -> None:
+    from ..deploy import export
+    from ..errors import ConfigError
+
+    options: dict = {"atol": args.atol}
+    if args.format == "onnx":
+        options.update(heads=args.head, opset=args.opset)
+        result = export(args.checkpoint, args.output, "onnx", **options)
+        print(
+            f"wrote {result.graph} ({result.exporter} exporter, {result.blocks} of "
+            f"{result.description['backbone']['num_layers']} blocks; max |difference| from the "
+            f"model per head: {_diffs(result.max_abs_diff)})"
+        )
+        return
+    if args.head and len(args.head) > 1:
+        raise ConfigError(
+            f"--head given {len(args.head)} times; a transformers classifier holds one"
+        )
+    options.update(head=args.head[0] if args.head else None, pad_token_id=args.pad_token_id)
+    result = export(args.checkpoint, args.output, "transformers", **options)
+    print(
+        f"wrote {result.directory} ({result.model_class}, loads with {result.auto_class}; max "
+        f"|difference| from head {result.head!r}: {result.max_abs_diff:.2g})"
+    )
+
+
+def _diffs(diffs: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2g}" for k, v in diffs.items())
