@@ -112,26 +112,36 @@ def load_headed(
         if head_configs is not None:
             raise ConfigError("head_configs given twice (positionally and by keyword)")
         head_configs, model_name = model_name, None
-    torch_dtype = requested_dtype(o["torch_dtype"], from_pretrained_kwargs)
     kwargs = from_pretrained_kwargs
-    quantized = _quantization(o["quantization_config"], kwargs, o)
-    freeze, only, dmap = o["freeze_base_model"], o["only_inference"], o["device_map"]
-    if quantized and dmap is None:
-        dmap = {"": torch.cuda.current_device()}
-    folder = o["head_folder_path"]
+    o["torch_dtype"] = requested_dtype(o["torch_dtype"], kwargs)
+    if _quantization(o["quantization_config"], kwargs, o) and o["device_map"] is None:
+        o["device_map"] = {"": torch.cuda.current_device()}
+    folder, adaptive = o["head_folder_path"], o["adaptive_loss"]
     checkpoint = model_name if th_form else model
     if head_configs is None and folder is None and _is_any_checkpoint(checkpoint):
         headed = restore(
             checkpoint,
             model_cls=HeadedModel,
-            freeze_base_model=freeze,
-            only_inference=only,
-            torch_dtype=torch_dtype,
-            device_map=dmap,
+            freeze_base_model=o["freeze_base_model"],
+            only_inference=o["only_inference"],
+            torch_dtype=o["torch_dtype"],
+            device_map=o["device_map"],
             model_class=model if th_form else None,
             **kwargs,
         )
-        return _adapt_loss(headed, o["adaptive_loss"])
+        return _adapt_loss(headed, adaptive)
+    return _adapt_loss(_build(model, model_name, head_configs, folder, o, kwargs), adaptive)
+
+
+def _build(
+    model: Any,
+    model_name: Any,
+    head_configs: Any,
+    folder: Any,
+    o: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> HeadedModel:
+    """load_headed with head configs or a head folder: load the backbone, build, restore."""
     ckpt = read_checkpoint(folder) if folder is not None else None
     if ckpt is not None:
         head_configs = _checkpoint_heads(ckpt.heads, head_configs, folder)
@@ -139,13 +149,14 @@ def load_headed(
         raise ConfigError("load_headed needs head_configs or head_folder_path")
     configs = [HeadConfig.from_dict(c) if isinstance(c, dict) else c for c in head_configs]
     wants_lm = any(c.name == "lm_head" and c.is_causal_lm for c in configs)
-    if th_form and torch_dtype is None:
+    torch_dtype = o["torch_dtype"]
+    if isinstance(model, type) and torch_dtype is None:
         torch_dtype = torch.float32  # transformer-heads' default
-    hf, source = _backbone(model, model_name, wants_lm, torch_dtype, dmap, kwargs)
+    hf, source = _backbone(model, model_name, wants_lm, torch_dtype, o["device_map"], kwargs)
     headed = HeadedModel(
         hf,
         configs,
-        freeze_base_model=freeze,
+        freeze_base_model=o["freeze_base_model"],
         loss_weighting=ckpt.weighting if ckpt is not None else "fixed",
         nonfinite_loss=ckpt.nonfinite_loss if ckpt is not None else "raise",
         layers_path=ckpt.manifest.get("layers_path") if ckpt is not None else None,
@@ -153,9 +164,9 @@ def load_headed(
     )
     if ckpt is not None:
         restore(ckpt, model=headed)
-    if only:
+    if o["only_inference"]:
         headed.eval().requires_grad_(False)
-    return _adapt_loss(headed, o["adaptive_loss"])
+    return headed
 
 
 def bind_positional(

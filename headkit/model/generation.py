@@ -68,6 +68,10 @@ class HeadedGenerateOutput(ModelOutput):
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
 
+    @property
+    def logprobs(self) -> torch.Tensor | None:  # transformer-heads' name
+        return self.token_logprobs
+
 
 class HeadedGenerationMixin:
     """Gives ``HeadedModel`` its ``generate`` method (a model with a causal-LM head)."""
