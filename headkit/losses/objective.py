@@ -279,9 +279,19 @@ def counted_positions(
                 f"predictions {tuple(preds.shape)}"
             )
         valid = mask.bool()
+        if cfg.ignore_pads == "transformer-heads" and not rule.shift:
+            valid = valid & ~_last_real(valid)  # its rule, for comparison (config.TH_TOKEN_LOSS)
     if rule.shift:  # position t predicts token t+1
         preds, labels, valid = preds[:, :-1], labels[:, 1:], valid[:, 1:]
     return preds, labels, valid
+
+
+def _last_real(valid: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) bool → True at each row's last True position."""
+    seq = valid.shape[-1]
+    idx = torch.arange(seq, device=valid.device).expand_as(valid)
+    last = torch.where(valid, idx, -1).max(-1, keepdim=True).values
+    return idx == last
 
 
 # ---------------------------------------------------------------------- the loss
