@@ -1,4 +1,4 @@
-"""The ``headkit`` command line: ``probe``, ``train``, ``eval``, ``predict`` and ``demo``.
+"""The ``headkit`` command line: ``probe``, ``train``, ``eval``, ``predict``, ``demo``, ``convert``.
 
 Runs as ``headkit ...`` (console script) or ``python -m headkit ...``. This module holds the
 parser and the dispatch; each command is a module with ``add_arguments(parser)`` (argparse
@@ -15,10 +15,17 @@ import sys
 from collections.abc import Iterator
 
 from ..errors import HeadkitError
-from . import demo, evaluate, predict, probe, train
+from . import convert, demo, evaluate, predict, probe, train
 
 #: Command name -> its module (``HELP``, ``EXAMPLE``, ``add_arguments``, ``run``).
-COMMANDS = {"probe": probe, "train": train, "eval": evaluate, "predict": predict, "demo": demo}
+COMMANDS = {
+    "probe": probe,
+    "train": train,
+    "eval": evaluate,
+    "predict": predict,
+    "demo": demo,
+    "convert": convert,
+}
 
 #: Library messages that start with a parameter name are reported as the option's error.
 _OPTIONS = {
@@ -31,6 +38,7 @@ _OPTIONS = {
     "data file": "--data",
     "CONFIG=": "CONFIG",
     "CHECKPOINT=": "CHECKPOINT",
+    "OUT=": "OUT",
 }
 
 
