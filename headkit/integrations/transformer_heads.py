@@ -60,14 +60,16 @@ def get_model_params(model_path: str | os.PathLike) -> dict[str, Any]:
 
 
 def print_trainable_parameters(model: torch.nn.Module, use_4bit: bool = False) -> None:
-    """Print all / trainable parameter counts and the counts by dtype (transformer-heads'
-    output). ``use_4bit`` halves the trainable count, as transformer-heads does for packed
-    4-bit weights."""
+    """Print all / trainable parameter counts and the counts by dtype, exactly as
+    transformer-heads does (its three lines, the dtype counts as the defaultdicts they are).
+    ``use_4bit`` halves the trainable count, as it does for packed 4-bit weights."""
     trainable = total = 0
     by_dtype: dict[torch.dtype, int] = defaultdict(int)
     trainable_by_dtype: dict[torch.dtype, int] = defaultdict(int)
     for _, param in model.named_parameters():
         n = param.numel()
+        if n == 0 and hasattr(param, "ds_numel"):  # DeepSpeed ZeRO-3: the full size
+            n = param.ds_numel
         total += n
         by_dtype[param.dtype] += n
         if param.requires_grad:
@@ -77,8 +79,8 @@ def print_trainable_parameters(model: torch.nn.Module, use_4bit: bool = False) -
         trainable /= 2
     share = 100 * trainable / total if total else 0.0
     print(f"all params: {total} || trainable params: {trainable} || trainable%: {share}")
-    print("params by dtype:", dict(by_dtype))
-    print("trainable params by dtype:", dict(trainable_by_dtype))
+    print("params by dtype:", by_dtype)  # its defaultdicts, printed as they are
+    print("trainable params by dtype:", trainable_by_dtype)
 
 
 @torch.inference_mode()
