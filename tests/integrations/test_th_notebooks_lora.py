@@ -4,6 +4,7 @@ its code as written plus only docs/migrating.md's renames, on the prelude's tiny
 (tests/th_ports.py); QLoRA becomes plain LoRA on the CPU (quantization_config=None,
 device_map="cpu"), CUDA-only cells dropped."""
 
+# ruff: noqa: SIM118  (its notebooks' code as written: `for split in dd.keys()`)
 from __future__ import annotations
 
 from pathlib import Path

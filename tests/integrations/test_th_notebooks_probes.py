@@ -4,6 +4,7 @@ its code as written plus only docs/migrating.md's renames, on the prelude's tiny
 synthetic data (tests/th_ports.py); CUDA-only cells dropped (4-bit loading: quantization_config
 =None, device_map="cpu"). Each port checks what its notebook looks at."""
 
+# ruff: noqa: SIM118  (its notebooks' code as written: `for split in dd.keys()`)
 from __future__ import annotations
 
 from pathlib import Path

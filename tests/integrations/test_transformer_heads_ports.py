@@ -5,6 +5,7 @@ prelude's tiny models (tests/th_ports.py); 4-bit loading becomes quantization_co
 the CPU, ``attn_implementation="flash_attention_2"`` (CUDA) is dropped, and where it printed,
 the port asserts."""
 
+# ruff: noqa: SIM118  (its notebooks' code as written: `for split in dd.keys()`)
 from __future__ import annotations
 
 from pathlib import Path
