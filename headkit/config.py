@@ -22,6 +22,10 @@ from .heads.base import HEADS
 from .heads.pooling import parse_pooling
 from .losses.objective import LOSSES, loss_spec, task_of
 
+#: ``ignore_pads`` value that reproduces transformer-heads 0.2's token-loss rule (padding and
+#: each row's last real token do not count), for comparing losses with it.
+TH_TOKEN_LOSS = "transformer-heads"
+
 _BOOL_FIELDS = (
     "is_causal_lm",
     "pred_for_sequence",
@@ -128,8 +132,13 @@ class HeadConfig:
             v = getattr(self, f)
             if not isinstance(v, bool):
                 raise self._bad(f, v, "expected True or False")
-        if self.ignore_pads is not None and not isinstance(self.ignore_pads, bool):
-            raise self._bad("ignore_pads", self.ignore_pads, "expected True, False or None")
+        if self.ignore_pads not in (None, True, False, TH_TOKEN_LOSS):
+            raise self._bad(
+                "ignore_pads",
+                self.ignore_pads,
+                f"expected True, False, None or {TH_TOKEN_LOSS!r} (transformer-heads' rule, "
+                "for comparison: it also drops each row's last real token)",
+            )
         for f in ("output_activation", "hidden_activation"):
             v = getattr(self, f)
             if v not in ACTIVATIONS:

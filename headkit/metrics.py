@@ -15,7 +15,7 @@ Trainer pad with it), and with an attention mask neither do padded tokens of hea
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -224,58 +224,40 @@ def evaluate_head_wise(
     data: Iterable[Any],
     collator: Any = None,
     batch_size: int = 8,
+    epochs: float = 1.0,
     *,
     progress: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Evaluate every head that has labels in ``data`` → ``{head: {metric: value}}``.
 
     ``data``: a DataLoader (its batches are used as they are) or a dataset / list of feature
-    dicts, batched with ``collator`` (default ``HeadedCollator(model)``; transformer-heads'
-    positional form ``evaluate_head_wise(model, dataset, collator)`` works). Columns that are
-    neither model inputs nor head targets are dropped first, as Trainer does, with a warning
-    naming them. Each head also gets ``loss``: its loss averaged over the examples of the
-    batches that had its labels.
+    dicts, batched by ``collator`` (default ``HeadedCollator(model)``); the model sees exactly
+    the collator's batches. transformer-heads' call ``evaluate_head_wise(model, dataset,
+    collator, batch_size=8, epochs=1)`` works; ``epochs`` < 1 evaluates that fraction of the
+    batches (the first ``ceil(epochs × batches)``). Its result, ``(mean loss, {head: mean
+    loss})``, is ``headkit.compat.evaluate_head_wise``'s. Columns that are neither model inputs
+    nor head targets are dropped first, as Trainer does, with a warning naming them. Each head
+    also gets ``loss``: its loss averaged over the examples of the batches that had its labels.
     """
-    if isinstance(data, DataLoader):
-        loader: Iterable[Any] = data
-    else:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise BatchError(f"evaluate_head_wise: batch_size={batch_size!r} is invalid; >= 1")
-        if collator is None:
-            from .data.collator import HeadedCollator
-
-            collator = HeadedCollator(model)
-        data = keep_model_columns(data, model.head_configs, "evaluate_head_wise")
-        loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collator)
     configs: dict[str, HeadConfig] = dict(model.head_configs)
     meters = {n: HeadMetric(c) for n, c in configs.items()}
     loss_sums = dict.fromkeys(configs, 0.0)
     counts = dict.fromkeys(configs, 0)
-    was_training = model.training
-    device = model.device
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in tqdm(loader, desc="evaluate", disable=not progress):
-                batch = _to_device(batch, device)
-                # labels only loss-free heads read serve their metrics, not the model call
-                out = model(**without_unused_labels(batch, configs.values()))
-                targets = {c.target for c in configs.values()}
-                labels = route_labels(
-                    configs, {k: v for k, v in batch.items() if k == "labels" or k in targets}
-                )
-                mask = batch.get("attention_mask")
-                n = int(batch["input_ids"].shape[0]) if "input_ids" in batch else 1
-                for name, cfg in configs.items():
-                    y = labels.get(cfg.target)
-                    if y is None:
-                        continue
-                    meters[name].update(out.preds_by_head[name].cpu(), y.cpu(), _cpu(mask))
-                    if name in out.loss_by_head:
-                        loss_sums[name] += float(out.loss_by_head[name]) * n
-                        counts[name] += n
-    finally:
-        model.train(was_training)
+    targets = {c.target for c in configs.values()}
+    for batch, out in evaluation_batches(model, data, collator, batch_size, epochs, progress):
+        labels = route_labels(
+            configs, {k: v for k, v in batch.items() if k == "labels" or k in targets}
+        )
+        mask = batch.get("attention_mask")
+        n = int(batch["input_ids"].shape[0]) if "input_ids" in batch else 1
+        for name, cfg in configs.items():
+            y = labels.get(cfg.target)
+            if y is None:
+                continue
+            meters[name].update(out.preds_by_head[name].cpu(), y.cpu(), _cpu(mask))
+            if name in out.loss_by_head:
+                loss_sums[name] += float(out.loss_by_head[name]) * n
+                counts[name] += n
     results: dict[str, dict[str, float]] = {}
     for name in configs:
         values = meters[name].compute()
@@ -284,6 +266,50 @@ def evaluate_head_wise(
         if values:
             results[name] = values
     return results
+
+
+def evaluation_batches(
+    model: Any,
+    data: Iterable[Any],
+    collator: Any = None,
+    batch_size: int = 8,
+    epochs: float = 1.0,
+    progress: bool = True,
+) -> Iterator[tuple[dict[str, Any], Any]]:
+    """``(batch, model output)`` for each evaluation batch, in eval mode without gradients
+    (the model's mode is restored after): the batches are the DataLoader's, or ``collator``'s
+    (default ``HeadedCollator(model)``) over ``data``; ``epochs`` < 1 stops after that fraction."""
+    if isinstance(data, DataLoader):
+        loader: Any = data
+    else:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise BatchError(f"evaluate_head_wise: batch_size={batch_size!r} is invalid; >= 1")
+        if collator is None:
+            from .data.collator import HeadedCollator
+
+            collator = HeadedCollator(model)
+        data = keep_model_columns(data, model.head_configs, "evaluate_head_wise")
+        loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collator)
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
+        raise BatchError(f"evaluate_head_wise: epochs={epochs!r} is invalid; a number > 0")
+    limit = None
+    if epochs < 1 and hasattr(loader, "__len__"):
+        limit = max(1, math.ceil(epochs * len(loader)))
+    configs = list(model.head_configs.values())
+    was_training = model.training
+    device = model.device
+    model.eval()
+    try:
+        with torch.no_grad():
+            batches = tqdm(loader, total=limit, desc="evaluate", disable=not progress)
+            for i, batch in enumerate(batches):
+                if limit is not None and i >= limit:
+                    break
+                batch = _to_device(batch, device)
+                # labels only loss-free heads read serve their metrics, not the model call
+                yield batch, model(**without_unused_labels(batch, configs))
+    finally:
+        model.train(was_training)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -8,7 +8,8 @@ Ranks (parent side) — run ``python WORKER OUT_DIR *ARGS`` once per rank on CPU
     reports = launch.reports()           # [rank 0's report, rank 1's report]
     reports = run_ranks(WORKER, out_dir)  # start and wait in one call
 
-``launcher`` is "torchrun" (``python -m torch.distributed.run --standalone``) or
+``launcher`` is "python" (one fresh interpreter, no process group: a reload in a new
+process), "torchrun" (``python -m torch.distributed.run --standalone``) or
 "accelerate" (``accelerate launch --multi_gpu``: without GPUs, CPU ranks over gloo;
 ``--cpu`` cannot be combined with ``--multi_gpu``). Both pick a free port themselves. Every
 rank gets ``OMP_NUM_THREADS=1``, ``HF_HUB_OFFLINE=1`` and the repository and ``tests/`` on
@@ -62,7 +63,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-LAUNCHERS = ("torchrun", "accelerate")
+LAUNCHERS = ("python", "torchrun", "accelerate")
 
 
 def rank() -> int:
@@ -81,6 +82,10 @@ def _env() -> dict[str, str]:
 
 
 def _command(launcher: str, nprocs: int) -> list[str]:
+    if launcher == "python":  # one fresh process, no process group (a reload elsewhere)
+        if nprocs != 1:
+            raise ValueError(f"launcher='python' starts one process; nprocs={nprocs} is invalid")
+        return [sys.executable]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone"] + [
             f"--nproc_per_node={nprocs}"

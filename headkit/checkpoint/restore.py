@@ -11,6 +11,7 @@ one (``apply_checkpoint``): heads, loss-weighting state, ``nonfinite_loss``, and
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
 from .manifest import MANIFEST, TIED, read_manifest, sha256_file
 from .paths import HUB_KWARGS, check_inside, check_tree_inside, resolve_checkpoint
 from .sizes import backbone_width, check_sizes
+from .transformer_heads import check_model_class, read_transformer_heads
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
@@ -50,6 +52,7 @@ class Checkpoint:
     root: Path
     manifest: dict[str, Any]
     head_state: dict[str, torch.Tensor]
+    foreign: Any = None  #: the reader of a transformer-heads folder (``transformer_heads.py``)
 
     @property
     def heads(self) -> list[HeadConfig]:
@@ -84,6 +87,9 @@ def read_checkpoint(checkpoint_dir: str | os.PathLike) -> Checkpoint:
     A save committed while this reads (another process) makes it read again, up to 3 times.
     """
     root = Path(checkpoint_dir)
+    found = read_transformer_heads(root)
+    if found is not None:
+        return Checkpoint(root, found.manifest, found.head_state, foreign=found)
     for attempt in range(3):
         before = _manifest_bytes(root)
         try:
@@ -137,10 +143,13 @@ def restore(
     only_inference: bool = False,
     torch_dtype: Any = None,
     device_map: Any = None,
+    model_class: type | None = None,
     **from_pretrained_kwargs: Any,
 ) -> HeadedModel:
     """Restore a HeadedModel from a checkpoint: build one (``model=None``, with ``model_cls``)
-    or load into ``model`` in place. The loading keywords apply only when building."""
+    or load into ``model`` in place. The loading keywords apply only when building;
+    ``model_class`` (a transformers class) must match the backbone's family, and loads a
+    transformer-heads checkpoint's backbone (headkit's load as recorded)."""
     if from_pretrained_kwargs.get("trust_remote_code"):
         raise ConfigError(
             "trust_remote_code=True is not accepted when loading a checkpoint: headkit never "
@@ -159,8 +168,17 @@ def restore(
         if model_cls is None:
             raise ConfigError("restore(model=None) needs model_cls to build the model")
         kwargs, device_map = backbone_load_kwargs(ckpt, from_pretrained_kwargs, device_map)
-        backbone, source = _load_backbone(ckpt, torch_dtype, device_map, kwargs)
-        load_adapter(base_model_of(backbone), ckpt, trainable=not only_inference)
+        if ckpt.foreign is not None:
+            backbone, source = ckpt.foreign.load_backbone(
+                model_class, torch_dtype, device_map, kwargs
+            )
+            ckpt.foreign.load_adapter(base_model_of(backbone), trainable=not only_inference)
+        else:
+            _check_class(ckpt, model_class)
+            backbone, source = _load_backbone(ckpt, torch_dtype, device_map, kwargs)
+            if model_class is not None:
+                check_model_class(model_class, backbone.config.model_type, ckpt.root)
+            load_adapter(base_model_of(backbone), ckpt, trainable=not only_inference)
         model = model_cls(
             backbone,
             ckpt.heads,
@@ -206,15 +224,30 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
         )
     trainable = {n: c.trainable for n, c in model.head_configs.items()}
     tie_head_weights(model.backbone, model.heads, ckpt.tied, trainable, where)
-    load_head_weights(model, ckpt.head_state, where)
+    state = ckpt.head_state if ckpt.foreign is None else ckpt.foreign.head_state_for(model)
+    load_head_weights(model, state, where)
     model.nonfinite_loss = ckpt.nonfinite_loss
     folder = ckpt.saved_backbone
     if backbone and folder is not None:
         load_backbone_state(model.backbone, folder)
-    if backbone:
+    if backbone and ckpt.foreign is not None:
+        ckpt.foreign.load_backbone_state(model.backbone)
+        ckpt.foreign.load_adapter(model.backbone, trainable=True)
+    elif backbone:
         load_adapter(model.backbone, ckpt)  # strict: a LoRA adapter, or none on either side
     if folder is None:
         _check_fingerprint(model, ckpt.backbone.get("fingerprint"))
+
+
+def _check_class(ckpt: Checkpoint, model_class: type | None) -> None:
+    """Refuse a model class of another family before loading, where the config is on disk."""
+    config = _config_json(ckpt) if model_class is not None else None
+    if config is not None and config.is_file():
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return
+        check_model_class(model_class, model_type, ckpt.root)
 
 
 def _check_fingerprint(model: HeadedModel, recorded: Any) -> None:

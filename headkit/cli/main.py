@@ -1,5 +1,5 @@
 """The ``headkit`` command line: ``probe``, ``train``, ``eval``, ``predict``, ``demo``,
-``export`` and ``push``.
+``convert``, ``export`` and ``push``.
 
 Runs as ``headkit ...`` (console script) or ``python -m headkit ...``. This module holds the
 parser and the dispatch; each command is a module with ``add_arguments(parser)`` (argparse
@@ -16,11 +16,19 @@ import sys
 from collections.abc import Iterator
 
 from ..errors import HeadkitError
-from . import demo, evaluate, export, predict, probe, push, train
+from . import convert, demo, evaluate, export, predict, probe, push, train
 
 #: Command name -> its module (``HELP``, ``EXAMPLE``, ``add_arguments``, ``run``).
-COMMANDS = {"probe": probe, "train": train, "eval": evaluate, "predict": predict, "demo": demo}
-COMMANDS.update(export=export, push=push)
+COMMANDS = {
+    "probe": probe,
+    "train": train,
+    "eval": evaluate,
+    "predict": predict,
+    "demo": demo,
+    "convert": convert,
+    "export": export,
+    "push": push,
+}
 
 #: Library messages that start with a parameter name are reported as the option's error.
 _OPTIONS = {
@@ -33,6 +41,7 @@ _OPTIONS = {
     "data file": "--data",
     "CONFIG=": "CONFIG",
     "CHECKPOINT=": "CHECKPOINT",
+    "OUT=": "OUT",
 }
 
 

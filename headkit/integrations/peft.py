@@ -31,14 +31,48 @@ from ..checkpoint import read_checkpoint, restore
 from ..checkpoint.adapters import require_quantization_support
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
-from ..loading import load_headed
+from ..loading import bind_positional, load_headed
 from ..model.headed import HeadedModel
 
 DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.05}
 
 
+#: transformer-heads' positional order of ``create_headed_qlora`` (first argument a class).
+TH_QLORA_ORDER = (
+    "model_name",
+    "quantization_config",
+    "lora_config",
+    "head_configs",
+    "fully_trained_heads",
+    "device_map",
+    "gradient_checkpointing",
+    "adaptive_loss",
+    "torch_dtype",
+)
+#: headkit's positional order of ``create_headed_qlora``.
+QLORA_ORDER = (
+    "model_name",
+    "quantization_config",
+    "lora_config",
+    "head_configs",
+    "fully_trained_heads",
+    "gradient_checkpointing",
+    "torch_dtype",
+)
+
+
+#: create_headed_qlora's keyword defaults that are not None.
+_QLORA_DEFAULTS = {
+    "fully_trained_heads": True,
+    "gradient_checkpointing": False,
+    "torch_dtype": torch.float32,
+    "adaptive_loss": False,
+}
+
+
 def create_headed_qlora(
-    base_model_class_or_path: type | str | os.PathLike,
+    base_model_class_or_path: type | str | os.PathLike | None = None,
+    *args: Any,
     model_name_or_path: str | os.PathLike | Sequence[HeadConfig] | None = None,
     quantization_config: Any = None,
     lora_config: Any = None,
@@ -46,47 +80,70 @@ def create_headed_qlora(
     fully_trained_heads: bool = True,
     gradient_checkpointing: bool = False,
     torch_dtype: Any = torch.float32,
-    *,
     train_lm_head: bool = True,
     device_map: Any = None,
     adaptive_loss: bool = False,
+    base_model_class: type | None = None,
+    model_name: str | os.PathLike | None = None,
     **kwargs: Any,
 ) -> HeadedModel:
     """A backbone with LoRA adapters (4-bit when ``quantization_config`` is a
     ``BitsAndBytesConfig``; plain LoRA when None) and float32 heads, ready to train.
 
     Called as transformer-heads does, ``create_headed_qlora(LlamaForCausalLM, path, ...)``,
-    or with the path alone. ``lora_config`` (a ``peft.LoraConfig``; default r=8, alpha=16,
-    dropout 0.05) is copied; without ``target_modules`` it targets every linear layer of the
-    blocks before the deepest hooked layer. Heads train (``fully_trained_heads=False``
-    freezes them all); a pretrained ``lm_head`` head trains unless ``train_lm_head=False``.
+    positionally in its order (``TH_QLORA_ORDER``) or by its keywords (``base_model_class=``,
+    ``model_name=``, ...), or with the path alone (``QLORA_ORDER``). ``lora_config`` (a
+    ``peft.LoraConfig``; default r=8, alpha=16, dropout 0.05) is copied; without
+    ``target_modules`` it targets every linear layer of the blocks before the deepest hooked
+    layer (never the heads: transformer-heads also adapted a pretrained ``lm_head``, which
+    here trains as a head). Heads train (``fully_trained_heads=False`` freezes them all; only
+    the adapters train); a pretrained ``lm_head`` head trains unless ``train_lm_head=False``.
     ``gradient_checkpointing`` recomputes the backbone's blocks in the backward pass.
-    Other keywords go to ``from_pretrained``.
+    ``adaptive_loss=True`` is ``set_loss_weighting("adaptive")``. Defaults are headkit's:
+    float32, ``device_map=None`` (the current CUDA device with quantisation). Other keywords
+    go to ``from_pretrained``.
     """
-    if isinstance(model_name_or_path, (list, tuple)):  # create_headed_qlora(path, [heads])
+    given = {
+        "model_name": _one_of(model_name, model_name_or_path, "model_name"),
+        "quantization_config": quantization_config,
+        "lora_config": lora_config,
+        "head_configs": head_configs,
+        "fully_trained_heads": fully_trained_heads,
+        "gradient_checkpointing": gradient_checkpointing,
+        "torch_dtype": torch_dtype,
+        "device_map": device_map,
+        "adaptive_loss": adaptive_loss,
+    }
+    first = _one_of(base_model_class, base_model_class_or_path, "base_model_class")
+    order = TH_QLORA_ORDER if isinstance(first, type) else QLORA_ORDER
+    o = bind_positional("create_headed_qlora", args, order, given, _QLORA_DEFAULTS)
+    second, head_configs = o["model_name"], o["head_configs"]
+    if isinstance(second, (list, tuple)):  # create_headed_qlora(path, [heads])
         if head_configs is not None:
             raise ConfigError("head_configs given twice (positionally and by keyword)")
-        head_configs, model_name_or_path = model_name_or_path, None
+        head_configs, second = second, None
     if head_configs is None:
         raise ConfigError("create_headed_qlora: head_configs=None is invalid; a list of HeadConfig")
-    _check_source(base_model_class_or_path, model_name_or_path, "create_headed_qlora")
+    _check_source(first, second, "create_headed_qlora")
+    quantization_config, device_map = o["quantization_config"], o["device_map"]
     require_quantization_support(quantization_config)  # before anything is loaded
     peft = _import_peft()
-    configs = [_head_config(c, fully_trained_heads, train_lm_head) for c in head_configs]
+    configs = [_head_config(c, o["fully_trained_heads"], train_lm_head) for c in head_configs]
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
         if device_map is None:
             device_map = {"": torch.cuda.current_device()}
     model = load_headed(
-        base_model_class_or_path,
-        model_name_or_path,
+        first,
+        model_name=second,
         head_configs=configs,
-        torch_dtype=torch_dtype,
+        torch_dtype=o["torch_dtype"],
         device_map=device_map,
         **kwargs,
     )
-    if adaptive_loss:
+    if o["adaptive_loss"]:
         model.set_loss_weighting("adaptive")
+    lora_config = o["lora_config"]
     config = (
         copy.deepcopy(lora_config) if lora_config is not None else peft.LoraConfig(**DEFAULT_LORA)
     )
@@ -99,9 +156,15 @@ def create_headed_qlora(
         config.target_modules = default_lora_targets(model)
         config.fan_in_fan_out = _all_conv1d(model.backbone, config.target_modules)
     add_lora(model, config)
-    if gradient_checkpointing:
+    if o["gradient_checkpointing"]:
         enable_gradient_checkpointing(model)
     return model
+
+
+def _one_of(name: Any, alias: Any, what: str) -> Any:
+    if name is not None and alias is not None:
+        raise TypeError(f"{what} given twice (by its name and by the older one)")
+    return name if name is not None else alias
 
 
 def add_lora(model: HeadedModel, lora_config: Any, adapter_name: str = "default") -> HeadedModel:
@@ -170,7 +233,7 @@ def enable_gradient_checkpointing(model: HeadedModel) -> None:
 
 
 def load_lora_with_heads(
-    base_model_class_or_path: type | str | os.PathLike,
+    base_model_class_or_path: type | str | os.PathLike | None = None,
     path: str | os.PathLike | None = None,
     quantization_config: Any = None,
     only_inference: bool = False,
@@ -178,22 +241,36 @@ def load_lora_with_heads(
     device_map: Any = None,
     torch_dtype: Any = None,
     gradient_checkpointing: bool = False,
+    *,
+    base_model_class: type | None = None,
     **kwargs: Any,
 ) -> HeadedModel:
-    """Load a checkpoint saved from a LoRA model: the base backbone it references (4-bit again
-    if it was; ``quantization_config`` overrides, ``False`` loads it unquantised), its adapter
-    and heads, with the same predictions. ``load_lora_with_heads(path)`` or, as in
-    transformer-heads, ``load_lora_with_heads(LlamaForCausalLM, path)`` (the class is checked,
-    the backbone is loaded as recorded)."""
-    if isinstance(base_model_class_or_path, type):
-        _check_source(base_model_class_or_path, path, "load_lora_with_heads")
+    """Load a checkpoint saved from a LoRA model (headkit's, or transformer-heads' LoRA save):
+    the base backbone it references (4-bit again if it was; ``quantization_config``
+    overrides, ``False`` loads it unquantised), its adapter and heads, with the same
+    predictions. ``load_lora_with_heads(path)`` or, as in transformer-heads (same positional
+    order), ``load_lora_with_heads(LlamaForCausalLM, path)``: the class must match the
+    checkpoint's backbone (``GPT2Model`` for a Llama checkpoint is a ConfigError); headkit
+    checkpoints load their backbone as recorded, transformer-heads' with that class.
+
+    ``only_inference=True``: every parameter frozen, eval mode. Otherwise the adapter trains,
+    and the heads (their ``trainable`` ones) unless ``fully_trained_heads=False``. Defaults:
+    the checkpoint's dtype (transformer-heads' checkpoints: float32, its default) and device.
+    """
+    first = _one_of(base_model_class, base_model_class_or_path, "base_model_class")
+    model_class = None
+    if isinstance(first, type):
+        _check_source(first, path, "load_lora_with_heads")
+        model_class = first
     elif path is not None:
         raise ConfigError(
-            f"load_lora_with_heads({str(base_model_class_or_path)!r}, {str(path)!r}): give the "
+            f"load_lora_with_heads({str(first)!r}, {str(path)!r}): give the "
             "checkpoint path once (a model class may come first)"
         )
     else:
-        path = base_model_class_or_path
+        path = first
+    if path is None:
+        raise TypeError("load_lora_with_heads() missing the checkpoint path")
     ckpt = read_checkpoint(path)
     if ckpt.manifest.get("adapter") is None:
         raise CheckpointError(
@@ -206,6 +283,7 @@ def load_lora_with_heads(
         torch_dtype=torch_dtype,
         device_map=device_map,
         quantization_config=quantization_config,
+        model_class=model_class,
         **kwargs,
     )
     if not fully_trained_heads:

@@ -1,22 +1,39 @@
 """transformer-heads' helpers, for notebooks written against it (see docs/migrating.md).
 
-``get_model_params``, ``print_trainable_parameters`` and ``get_top_n_preds`` keep
-transformer-heads' signatures and results, with one difference that matters:
-headkit's sequence heads predict ``(batch, num_outputs)``, not ``(batch, seq, num_outputs)``,
-so ``get_top_n_preds`` reads ``preds[0]`` for them and ``preds[0, -1]`` for token heads.
+``get_model_params``, ``print_trainable_parameters``, ``get_top_n_preds``,
+``evaluate_head_wise``, ``get_some_preds``, ``compare_all_params``,
+``get_multi_head_transformer``, ``load_tokenizer`` and ``DataCollatorWithPadding`` keep
+transformer-heads' signatures and results, with one difference that matters: headkit's
+sequence heads predict ``(batch, num_outputs)``, not ``(batch, seq, num_outputs)``, so the
+helpers read ``preds[0]`` for them where transformer-heads read ``preds[0, -1]``.
+``headkit.compat`` gathers them with the loaders under one import path.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
-from transformers import AutoConfig
+from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoConfig, PreTrainedModel
 
-from ..errors import ConfigError
+from ..checkpoint import restore
+from ..errors import BatchError, ConfigError
+from ..metrics import evaluation_batches
+from ..model.generation import HeadedGenerateOutput
+from ..model.headed import HeadedModel
+
+#: transformer-heads' name of ``HeadedModel.generate``'s output (``.logprobs`` is
+#: ``.token_logprobs``).
+HeadedModelGenerateOutput = HeadedGenerateOutput
 
 
 def get_model_params(model_path: str | os.PathLike) -> dict[str, Any]:
@@ -43,14 +60,16 @@ def get_model_params(model_path: str | os.PathLike) -> dict[str, Any]:
 
 
 def print_trainable_parameters(model: torch.nn.Module, use_4bit: bool = False) -> None:
-    """Print all / trainable parameter counts and the counts by dtype (transformer-heads'
-    output). ``use_4bit`` halves the trainable count, as transformer-heads does for packed
-    4-bit weights."""
+    """Print all / trainable parameter counts and the counts by dtype, exactly as
+    transformer-heads does (its three lines, the dtype counts as the defaultdicts they are).
+    ``use_4bit`` halves the trainable count, as it does for packed 4-bit weights."""
     trainable = total = 0
     by_dtype: dict[torch.dtype, int] = defaultdict(int)
     trainable_by_dtype: dict[torch.dtype, int] = defaultdict(int)
     for _, param in model.named_parameters():
         n = param.numel()
+        if n == 0 and hasattr(param, "ds_numel"):  # DeepSpeed ZeRO-3: the full size
+            n = param.ds_numel
         total += n
         by_dtype[param.dtype] += n
         if param.requires_grad:
@@ -60,8 +79,8 @@ def print_trainable_parameters(model: torch.nn.Module, use_4bit: bool = False) -
         trainable /= 2
     share = 100 * trainable / total if total else 0.0
     print(f"all params: {total} || trainable params: {trainable} || trainable%: {share}")
-    print("params by dtype:", dict(by_dtype))
-    print("trainable params by dtype:", dict(trainable_by_dtype))
+    print("params by dtype:", by_dtype)  # its defaultdicts, printed as they are
+    print("trainable params by dtype:", trainable_by_dtype)
 
 
 @torch.inference_mode()
@@ -85,3 +104,164 @@ def get_top_n_preds(n: int, model: Any, text: str, tokenizer: Any) -> dict[str, 
         else:
             result[name] = best
     return result
+
+
+def evaluate_head_wise(
+    model: Any,
+    ds: Iterable[Any],
+    collator: Any = None,
+    batch_size: int = 8,
+    epochs: float = 1,
+) -> tuple[float, dict[str, float]]:
+    """transformer-heads' ``evaluate_head_wise``: ``(mean loss, {head: mean loss})``, each the
+    mean over batches of ``loss`` / ``loss_by_head`` (heads without labels left out), on the
+    batches ``collator`` makes of ``ds`` (default ``HeadedCollator(model)``; a ``datasets``
+    dataset is read in torch format). ``epochs`` < 1 evaluates the first
+    ``ceil(epochs × batches)`` batches (transformer-heads ran one more). In eval mode, no
+    gradients. ``headkit.evaluate_head_wise`` gives per-head metrics instead.
+    """
+    if hasattr(ds, "with_format"):
+        ds = ds.with_format(type="torch")
+    totals: list[float] = []
+    by_head: dict[str, list[float]] = defaultdict(list)
+    for _, out in evaluation_batches(model, ds, collator, batch_size, epochs):
+        for name, loss in out.loss_by_head.items():
+            by_head[name].append(float(loss))
+        if out.loss is not None:
+            totals.append(float(out.loss))
+    mean = float(np.mean(totals)) if totals else float("nan")
+    return mean, {name: float(np.mean(values)) for name, values in by_head.items()}
+
+
+@torch.inference_mode()
+def get_some_preds(
+    model: Any, ds: Any, tokenizer: Any, n: int = 5, classification: bool = True
+) -> tuple[list[str], dict[str, list[Any]], dict[str, list[Any]]]:
+    """The first ``n`` examples of ``ds``, one at a time: ``(decoded inputs, {head:
+    predictions}, {head: labels})`` (transformer-heads' helper, which returned n + 1).
+
+    ``classification=True``: each prediction is the argmax class and each label an int;
+    otherwise the raw outputs and labels as lists. Sequence heads are read at their one
+    prediction, token heads at the last position; a head without labels in ``ds`` gets
+    None as its labels. Plain dicts: a misspelt head name is a KeyError, not an empty list.
+    """
+    from ..data.collator import HeadedCollator
+
+    if not isinstance(n, int) or n < 1:
+        raise BatchError(f"get_some_preds: n={n!r} is invalid; a positive integer")
+    collate = HeadedCollator(model, tokenizer, labels_key=None)
+    configs = dict(model.head_configs)
+    inputs: list[str] = []
+    preds: dict[str, list[Any]] = {name: [] for name in configs}
+    truths: dict[str, list[Any]] = {name: [] for name in configs}
+    for _, (batch, out) in zip(range(n), _one_by_one(model, ds, collate)):
+        inputs.append(tokenizer.decode(batch["input_ids"][0].tolist()))
+        for name, cfg in configs.items():
+            p = out.preds_by_head[name]
+            p = p[0] if cfg.pred_for_sequence else p[0, -1]
+            y = batch.get(cfg.target)
+            y = None if y is None else y[0]
+            if classification:
+                preds[name].append(int(p.argmax()))
+                truths[name].append(None if y is None else int(y.reshape(-1)[0]))
+            else:
+                preds[name].append(p.tolist())
+                truths[name].append(None if y is None else y.tolist())
+    return inputs, preds, truths
+
+
+def _one_by_one(model: Any, ds: Any, collate: Any) -> Iterable[tuple[dict, Any]]:
+    return evaluation_batches(model, ds, collate, batch_size=1, progress=False)
+
+
+def compare_all_params(model1: torch.nn.Module, model2: torch.nn.Module) -> list[str]:
+    """Compare the parameters of two models in order (names without peft's
+    ``base_model.model.`` prefix, shapes, dtypes, values); print each difference as
+    transformer-heads does and return the lines (empty: the same)."""
+    lines: list[str] = []
+    pairs = zip(model1.named_parameters(), model2.named_parameters())
+    for (name1, param1), (name2, param2) in pairs:
+        prefix = "base_model.model."
+        if name1.removeprefix(prefix) != name2.removeprefix(prefix):
+            lines.append(f"name mismatch {name1} {name2}")
+        if param1.shape != param2.shape:
+            lines.append(f"shape mismatch {name1} {tuple(param1.shape)} {tuple(param2.shape)}")
+        elif param1.dtype != param2.dtype:
+            lines.append(f"dtype mismatch {name1} {param1.dtype} {param2.dtype}")
+        elif not torch.allclose(param1, param2.to(param1.device)):
+            diff = (param1 - param2.to(param1.device)).abs()
+            lines.append(
+                f"values not even close {name1} (mean diff {float(diff.mean())}, max diff "
+                f"{float(diff.max())})"
+            )
+        elif not torch.equal(param1, param2.to(param1.device)):
+            lines.append(f"values not equal {name1}")
+    n1, n2 = len(list(model1.parameters())), len(list(model2.parameters()))
+    if n1 != n2:
+        lines.append(f"parameter count mismatch {n1} {n2}")
+    for line in lines:
+        print(line)
+    return lines
+
+
+@functools.cache
+def get_multi_head_transformer(base_model_class: type) -> type:
+    """A HeadedModel class whose ``from_pretrained(path, **kwargs)`` loads a checkpoint
+    (headkit's or transformer-heads') with ``base_model_class`` checked against its backbone
+    and used to load a transformer-heads backbone. headkit needs no class per architecture:
+    ``HeadedModel(model, head_configs)`` takes any ``PreTrainedModel``."""
+    if not isinstance(base_model_class, type) or not issubclass(base_model_class, PreTrainedModel):
+        raise ConfigError(
+            f"get_multi_head_transformer({base_model_class!r}): a transformers PreTrainedModel "
+            "class is expected (e.g. LlamaForCausalLM)"
+        )
+
+    def from_pretrained(cls: type, checkpoint_dir: str | os.PathLike, **kwargs: Any) -> Any:
+        return restore(checkpoint_dir, model_cls=cls, model_class=base_model_class, **kwargs)
+
+    name = f"{base_model_class.__name__}WithHeads"
+    doc = f"HeadedModel loading checkpoints onto {base_model_class.__name__} backbones."
+    attrs = {"from_pretrained": classmethod(from_pretrained), "__doc__": doc}
+    return type(name, (HeadedModel,), {"base_model_class": base_model_class, **attrs})
+
+
+def load_tokenizer(model_path: str | os.PathLike) -> Any:
+    """The tokenizer of an adapter checkpoint's base model (its ``adapter_config.json``), with
+    pad = eos when it has no pad token (transformer-heads' helper)."""
+    from transformers import AutoTokenizer
+
+    config = os.path.join(os.fspath(model_path), "adapter_config.json")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(
+            f"{config} is missing: not an adapter checkpoint; load the tokenizer with "
+            "AutoTokenizer.from_pretrained"
+        )
+    with open(config, encoding="utf-8") as f:
+        base = json.load(f)["base_model_name_or_path"]
+    near = os.path.join(os.path.dirname(os.path.abspath(os.fspath(model_path))), base)
+    base = base if os.path.isdir(base) or not os.path.isdir(near) else near
+    tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+@dataclass
+class DataCollatorWithPadding:
+    """transformer-heads' collator: the features named in ``feature_name_to_padding_value``
+    are right-padded with their value, every other feature is stacked; targets stay at the
+    top level of the batch (``HeadedCollator`` pads by the heads' label rules instead)."""
+
+    feature_name_to_padding_value: dict[str, int | float]
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = {
+            key: pad_sequence(
+                [torch.as_tensor(f[key]) for f in features], batch_first=True, padding_value=value
+            )
+            for key, value in self.feature_name_to_padding_value.items()
+        }
+        for key in features[0]:
+            if key not in batch:
+                batch[key] = torch.stack([torch.as_tensor(f[key]) for f in features])
+        return batch

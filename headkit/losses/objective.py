@@ -229,6 +229,8 @@ def fit_labels(cfg: HeadConfig, preds: torch.Tensor, labels: torch.Tensor) -> to
     """
     batch = preds.shape[0]
     n_out = preds.shape[-1]
+    if labels.dim() == 0 and batch == 1 and cfg.pred_for_sequence:
+        labels = labels.reshape(1)  # ``torch.tensor(1)`` for one example, as transformer-heads
     if labels.dim() == 0 or labels.shape[0] != batch:
         raise BatchError(
             f"{_where(cfg)}: labels of shape {tuple(labels.shape)} do not match the batch size "
@@ -277,9 +279,19 @@ def counted_positions(
                 f"predictions {tuple(preds.shape)}"
             )
         valid = mask.bool()
+    if rule.skips_padding and cfg.ignore_pads == "transformer-heads" and not rule.shift:
+        valid = valid & ~_last_real(valid)  # its rule, for comparison (config.TH_TOKEN_LOSS)
     if rule.shift:  # position t predicts token t+1
         preds, labels, valid = preds[:, :-1], labels[:, 1:], valid[:, 1:]
     return preds, labels, valid
+
+
+def _last_real(valid: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) bool → True at each row's last True position."""
+    seq = valid.shape[-1]
+    idx = torch.arange(seq, device=valid.device).expand_as(valid)
+    last = torch.where(valid, idx, -1).max(-1, keepdim=True).values
+    return idx == last
 
 
 # ---------------------------------------------------------------------- the loss

@@ -204,6 +204,11 @@ class PreTrainedConveniences:
 
     # ------------------------------------------------------------------ parameters
     @property
+    def model(self) -> nn.Module:
+        """The backbone, under the name transformer-heads gave it (``th_model.model``)."""
+        return self.backbone
+
+    @property
     def dtype(self) -> torch.dtype:
         """The dtype of the backbone's floating-point parameters."""
         dtype = getattr(self.backbone, "dtype", None)

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 #: Decoding modes whose rows stay in place from step to step (beams reorder them).
 _ROW_STABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+#: Where per-step head outputs are read: at each token's own position, or at the step that
+#: chose it (transformer-heads' alignment).
+HEAD_OUTPUTS_AT = ("token", "step")
 #: generate() keywords that would hand a cache in or out of headkit's control.
 _CACHE_KWARGS = ("cache", "past_key_values")
 
@@ -50,7 +53,9 @@ class HeadedGenerateOutput(ModelOutput):
     - ``head_outputs``: for every other head that is not ignored, token heads (R, N,
       num_outputs), value at generated token t computed on the hidden state at the position
       of token t itself; sequence heads (R, num_outputs), on each finished sequence (prompt
-      and generated tokens up to and including the row's first eos).
+      and generated tokens up to and including the row's first eos). With
+      ``head_outputs_at="step"`` (transformer-heads' alignment) entry t is read one position
+      earlier, and sequence heads give (R, N, num_outputs).
     - ``generated_mask`` (R, N): 1 for generated tokens up to and including the row's first
       eos, 0 for the padding generate appends after it.
     - ``attention_mask`` (R, P + N): the prompt's mask followed by ``generated_mask``; a plain
@@ -68,6 +73,10 @@ class HeadedGenerateOutput(ModelOutput):
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
 
+    @property
+    def logprobs(self) -> torch.Tensor | None:  # transformer-heads' name
+        return self.token_logprobs
+
 
 class HeadedGenerationMixin:
     """Gives ``HeadedModel`` its ``generate`` method (a model with a causal-LM head)."""
@@ -81,6 +90,7 @@ class HeadedGenerationMixin:
         *,
         ignore_heads: Iterable[str] = (),
         lm_head_name: str | None = None,
+        head_outputs_at: str = "token",
         **kwargs: Any,
     ) -> HeadedGenerateOutput:
         """Generate with transformers' ``generate`` and return every head's output as well.
@@ -94,10 +104,15 @@ class HeadedGenerationMixin:
         ``logits_processor``, ``stopping_criteria``, ...); greedy search and sampling are
         supported, beam search and assisted decoding are not (beams reorder rows).
 
-        Convention: the output of a token head for generated token t is computed on the hidden
-        state at the position of token t itself, i.e. the value a plain forward over the final
-        ``sequences`` gives at that position; sequence heads pool each finished sequence (prompt
-        and generated tokens up to and including the first eos). Every step runs the backbone
+        ``head_outputs_at="token"`` (the default): the output of a token head for generated
+        token t is computed on the hidden state at the position of token t itself, i.e. the
+        value a plain forward over the final ``sequences`` gives at that position; sequence
+        heads pool each finished sequence (prompt and generated tokens up to and including the
+        first eos), (R, num_outputs). ``head_outputs_at="step"`` (transformer-heads'
+        alignment): entry t is computed at the step that chose token t, on the state of the
+        position before it (the last prompt token for t = 0), so its ``[t + 1]`` is the
+        default's ``[t]``; sequence heads give (R, N, num_outputs), entry t pooling the
+        sequence up to that position. Every step runs the backbone
         once with the KV cache and all heads read the hooked states of that same forward; as
         ``generate`` never feeds its last token back, one extra cached step over that token
         alone (only as deep as the deepest head) gives its head outputs. Heads named in
@@ -105,6 +120,11 @@ class HeadedGenerationMixin:
         every token counts, pad ids included); the model runs in eval mode while generating.
         See ``HeadedGenerateOutput`` and ``docs/generation.md``.
         """
+        if head_outputs_at not in HEAD_OUTPUTS_AT:
+            raise ConfigError(
+                f"head_outputs_at={head_outputs_at!r} is invalid; allowed: "
+                f"{', '.join(map(repr, HEAD_OUTPUTS_AT))}"
+            )
         ignore = {ignore_heads} if isinstance(ignore_heads, str) else set(ignore_heads)
         plan = _plan(self, ignore, lm_head_name)
         _check_prompt(self, input_ids, attention_mask, kwargs)
@@ -126,7 +146,7 @@ class HeadedGenerationMixin:
                 generation_config=generation_config,
                 **kwargs,
             )
-            return _finish(driver, out, input_ids, attention_mask, effective)
+            return _finish(driver, out, input_ids, attention_mask, effective, head_outputs_at)
         finally:
             self.train(was_training)
 
@@ -412,8 +432,10 @@ def _finish(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     config: GenerationConfig,
+    at: str = "token",
 ) -> HeadedGenerateOutput:
-    """Run the extra step over the last token, then stitch the recorded outputs together."""
+    """Run the extra step over the last token, then stitch the recorded outputs together
+    (``at``: see ``HEAD_OUTPUTS_AT``)."""
     sequences = out.sequences  # (rows, P + N)
     rows, total = sequences.shape
     P = input_ids.shape[1]
@@ -439,10 +461,18 @@ def _finish(
     elif N > 0:  # no head needs the last token's states: only its log-probability
         rec.logprobs[total - 1] = rec.logprob_of(last)
     headed = driver._headed
-    head_outputs = {n: _stitch(rec.token_outputs[n], P, total) for n in plan.token_heads}
+    shift = 1 if at == "step" else 0  # "step": entry t read one position earlier
+    head_outputs = {
+        n: _stitch(rec.token_outputs[n], P - shift, total - shift) for n in plan.token_heads
+    }
     for name, layer in plan.sequence_heads.items():
         states = _stitch(rec.states[layer], 0, total)  # (rows, P + N, hidden)
-        head_outputs[name] = headed.heads[name](states, full_mask.to(dev))
+        head, mask = headed.heads[name], full_mask.to(dev)
+        if at == "token":
+            head_outputs[name] = head(states, mask)
+        elif N > 0:  # entry t pools positions 0 .. P - 1 + t: (rows, N, num_outputs)
+            steps = [head(states[:, : P + t], mask[:, : P + t]) for t in range(N)]
+            head_outputs[name] = torch.stack(steps, 1)
     logprobs = torch.stack([rec.logprobs[p] for p in range(P, total)], -1) if N else None
     return HeadedGenerateOutput(
         sequences=sequences,

@@ -1,0 +1,92 @@
+"""``headkit convert TH_CHECKPOINT OUT``: a transformer-heads checkpoint as a headkit one.
+
+Reads any of transformer-heads' saves (its plain save with ``config.json`` + ``output_heads``,
+its LoRA save, or its heads-only save with ``--base``) through the one restore path and writes
+a headkit checkpoint (``head_configs.json`` + safetensors; a full save's backbone is copied, a
+LoRA save's base referenced). The checkpoint is written into a new folder beside ``OUT`` and
+renamed into place, so ``OUT`` never holds half a checkpoint; an existing ``OUT`` is replaced
+only with ``--overwrite``. Importing this module imports argparse only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import ConfigError
+from .options import add_quiet
+
+HELP = "convert a transformer-heads checkpoint into a headkit checkpoint"
+EXAMPLE = """example:
+  headkit convert runs/th_qlora runs/headkit_qlora
+  headkit convert th_heads_only runs/heads --base gpt2 --overwrite"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="TH_CHECKPOINT", help="a folder transformer-heads saved")
+    p.add_argument("output", metavar="OUT", help="the headkit checkpoint folder to write")
+    p.add_argument(
+        "--base",
+        help="the backbone (path or hub id) of a heads-only save (transformer-heads' save of a "
+        "quantised load_headed model holds no backbone)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    add_quiet(p)
+
+
+def run(args: argparse.Namespace) -> None:
+    out = convert(args.checkpoint, args.output, base=args.base, overwrite=args.overwrite)
+    print(f"wrote {out}")
+
+
+def convert(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    base: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the headkit checkpoint of the transformer-heads folder ``checkpoint`` to
+    ``output`` (atomically: a sibling folder renamed into place); returns ``output``."""
+    from ..checkpoint.transformer_heads import detect
+    from ..loading import load_headed
+    from ..model.headed import HeadedModel
+
+    src, out = Path(checkpoint), Path(output)
+    layout = detect(src) if src.is_dir() else None
+    if layout is None:
+        raise ConfigError(
+            f"CHECKPOINT={str(src)!r} is not a transformer-heads checkpoint (no head_configs.json "
+            "of its kind, nor a config.json with output_heads); a headkit checkpoint needs no "
+            "conversion"
+        )
+    if out.exists() and not overwrite:
+        raise ConfigError(f"OUT={str(out)!r} exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"OUT={str(out)!r} is a file; a folder is written there")
+    if layout == "heads" and base is None:
+        raise ConfigError(
+            f"CHECKPOINT={str(src)!r} holds heads only (no backbone); pass --base MODEL, the "
+            "backbone they were trained on"
+        )
+    if layout == "heads":
+        model = load_headed(base, head_folder_path=src)
+    else:
+        model = HeadedModel.from_pretrained(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        if out.exists():
+            old = tmp.with_name(tmp.name + "-old")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
