@@ -51,6 +51,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..checkpoint import MANIFEST, restore
+from ..checkpoint.card import refresh_card
 from ..data.collator import HeadedCollator
 from ..errors import ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
@@ -209,6 +210,14 @@ class HeadedTrainer(Trainer):
         # JSON instead of Trainer's pickled training_args.bin: checkpoints hold no pickle.
         Path(output_dir, "training_args.json").write_text(self.args.to_json_string())
         return None
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Trainer's checkpoint, then the model card again with what ``trainer_state.json``
+        now says (steps, metrics); a card the user wrote is left alone."""
+        super()._save_checkpoint(model, trial)
+        folder = Path(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.args.should_save and Path(folder, MANIFEST).is_file():
+            refresh_card(folder)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         model = model if model is not None else self.model

@@ -148,10 +148,23 @@ def test_save_model_writes_a_headkit_checkpoint(tmp_path: Path) -> None:
     model = _model()
     trainer = HeadedTrainer(
         model=model,
-        args=_args(tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=2),
+        args=_args(
+            tmp_path / "run",
+            max_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+        ),
         train_dataset=_data(8),
+        eval_dataset=_data(4),
     )
     trainer.train()
+    # the checkpoint's model card says what trainer_state.json says: the evaluation's losses
+    card = (tmp_path / "run" / "checkpoint-2" / "README.md").read_text()
+    assert "library_name: headkit" in card and "sent" in card
+    logged = next(e for e in trainer.state.log_history if "eval_sent_loss" in e)
+    assert f"| sent | loss | {logged['eval_sent_loss']:.4f} |" in card
     final = tmp_path / "final"
     trainer.save_model(str(final))
     for folder in (final, tmp_path / "run" / "checkpoint-2"):
