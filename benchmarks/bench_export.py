@@ -14,41 +14,49 @@ Figures: onnxruntime ÷ eager headkit per model (goal <= 0.9), and the export ti
 export, not timed against anything: torch's dynamo exporter and the verification with
 onnxruntime on four batches). The outputs of the two sides are compared once (max |diff|).
 
-Run: make bench, or
+Run (writes benchmarks/results/export.json; ``--quick``: a tiny BERT and GPT-2, a smoke test):
   HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/bench_export.py
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _harness import Goal, ensure_bench_env, measure
+from _harness import Goal, add_measure_args, ensure_bench_env, settings_of
+from _report import bench_result, figure, write_result
 
-RESULTS = Path(__file__).parent / "results" / "export.json"
+HERE = Path(__file__).resolve().parent
+NAME = "export"
 GOAL = Goal("<=", 0.9)
-BATCH, SEQ, THREADS = 8, 128, 2
 
 
-def _models():
+def _models(quick: bool) -> dict:
     import torch
-    from transformers import AutoModel, GPT2Config, GPT2Model
+    from transformers import AutoModel, BertConfig, BertModel, GPT2Config, GPT2Model
 
     from headkit import HeadConfig, HeadedModel
     from headkit.packaged import minilm_path
 
     torch.manual_seed(0)
-    minilm = HeadedModel(
-        AutoModel.from_pretrained(minilm_path()),
-        [HeadConfig("sentiment", num_outputs=2, pred_for_sequence=True, pooling="mean")],
-    )
+    sentiment = HeadConfig("sentiment", num_outputs=2, pred_for_sequence=True, pooling="mean")
+    if quick:  # a tiny BERT stands in for MiniLM
+        tiny = BertConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            vocab_size=1000,
+        )
+        encoder = BertModel(tiny)
+    else:
+        encoder = AutoModel.from_pretrained(minilm_path())
+    layers, width = (2, 64) if quick else (12, 256)
     config = GPT2Config(
-        n_layer=12,
-        n_embd=256,
+        n_layer=layers,
+        n_embd=width,
         n_head=4,
         vocab_size=1000,
         n_positions=512,
@@ -56,24 +64,25 @@ def _models():
         eos_token_id=0,
     )
     gpt2 = HeadedModel(GPT2Model(config), [HeadConfig("tags", num_outputs=17)])
-    return {"minilm": minilm.eval(), "gpt2": gpt2.eval()}
+    return {"minilm": HeadedModel(encoder, [sentiment]).eval(), "gpt2": gpt2.eval()}
 
 
-def _batch(vocab: int, types: bool) -> dict:
+def _batch(vocab: int, types: bool, batch: int, seq: int) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(5, vocab, (BATCH, SEQ), generator=g)
+    ids = torch.randint(5, vocab, (batch, seq), generator=g)
     mask = torch.zeros_like(ids)
-    for i in range(BATCH):
-        mask[i, : SEQ - 8 * i] = 1
-    batch = {"input_ids": ids, "attention_mask": mask}
+    for i in range(batch):
+        mask[i, : seq - (seq // 16) * i] = 1
+    out = {"input_ids": ids, "attention_mask": mask}
     if types:
-        batch["token_type_ids"] = torch.zeros_like(ids)
-    return batch
+        out["token_type_ids"] = torch.zeros_like(ids)
+    return out
 
 
-def scenario(name: str, model, warmup: int, steps: int) -> dict:
+def scenario(model, st, batch: int, seq: int) -> dict:
+    """Export ``model``, then time onnxruntime against eager headkit on one batch."""
     import torch
 
     from headkit.integrations.onnx import export_onnx, session
@@ -82,78 +91,65 @@ def scenario(name: str, model, warmup: int, steps: int) -> dict:
         t0 = time.perf_counter()
         result = export_onnx(model, tmp)
         export_s = time.perf_counter() - t0
-        sess = session(result.graph, threads=THREADS)
+        sess = session(result.graph, threads=st.threads)
         wanted = [i.name for i in sess.get_inputs()]
-        batch = _batch(model.get_input_embeddings().num_embeddings, "token_type_ids" in wanted)
-        feed = {k: v.numpy() for k, v in batch.items() if k in wanted}
+        vocab = model.get_input_embeddings().num_embeddings
+        inputs = _batch(vocab, "token_type_ids" in wanted, batch, seq)
+        feed = {k: v.numpy() for k, v in inputs.items() if k in wanted}
         head = result.description["outputs"][0]["name"]
 
         def eager():
             with torch.inference_mode():
-                return model(**batch).preds_by_head[head]
+                return model(**inputs).preds_by_head[head]
 
         def ort():
             return sess.run([head], feed)[0]
 
         diff = float((eager() - torch.from_numpy(ort())).abs().max())
-        timing = measure({"onnxruntime": ort, "eager": eager}, warmup, steps, quiet_timeout=30)
-    ratio = timing.ratio("onnxruntime", "eager")
+        timing = st.measure({"onnxruntime": ort, "eager": eager})
     return {
-        "ratio": round(ratio, 4),
-        "export_s": round(export_s, 1),
+        "ratio": timing.ratio("onnxruntime", "eager"),
+        "export_s": export_s,
         "exporter": result.exporter,
         "blocks_in_graph": result.blocks,
         "max_abs_diff": diff,
-        "timing": timing.summary(tokens=BATCH * SEQ),
+        "timing": timing.summary(tokens=batch * seq),
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ensure_bench_env()
+    """Measure; return (and write to --out) the result with its figures."""
     import torch
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
-    torch.set_num_threads(THREADS)
-    results = {n: scenario(n, m, args.warmup, args.steps) for n, m in _models().items()}
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_measure_args(ap)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / f"{NAME}.json")
+    args = ap.parse_args(argv)
+    st = settings_of(args)
+    batch, seq = (2, 16) if st.quick else (8, 128)
+    torch.set_num_threads(st.threads)
+    details = {n: scenario(m, st, batch, seq) for n, m in _models(st.quick).items()}
     figures = []
-    for n, r in results.items():
-        figures.append(
-            {
-                "name": f"{n}: onnxruntime / eager inference",
-                "value": r["ratio"],
-                "unit": "ratio",
-                "goal": str(GOAL),
-                "met": GOAL.met(r["ratio"]),
-            }
-        )
-        figures.append(
-            {
-                "name": f"{n}: export time",
-                "value": r["export_s"],
-                "unit": "s",
-                "goal": None,
-                "met": None,
-            }
-        )
-    out = {
-        "name": "export",
-        "setting": f"batch {BATCH} x {SEQ} (right-padded 128..72), {THREADS} threads, eval",
-        "figures": figures,
-        "scenarios": results,
-        "command": "python benchmarks/bench_export.py " + " ".join(argv or []),
+    for n, r in details.items():
+        figures.append(figure(f"{n}: onnxruntime / eager inference", r["ratio"], "ratio", GOAL))
+        figures.append(figure(f"{n}: export time", r["export_s"], "s"))
+    settings = {
+        **st.as_dict(),
+        "batch": batch,
+        "seq": seq,
+        "padding": f"right, rows {seq}..{seq - (seq // 16) * (batch - 1)} long",
+        "models": {
+            "minilm": "tiny random BERT" if st.quick else "packaged all-MiniLM-L6-v2",
+            "gpt2": "random GPT-2, "
+            + ("2 layers, hidden 64" if st.quick else "12 layers, hidden 256"),
+        },
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    result = bench_result(NAME, figures, settings, details, threads=st.threads)
+    write_result(result, args.out)
+    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
+    return result
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1:])
-    for f in result["figures"]:
-        print(
-            f"{f['name']}: {f['value']} {f['unit']}" + (f" (goal {f['goal']})" if f["goal"] else "")
-        )
+    ensure_bench_env()
+    main()

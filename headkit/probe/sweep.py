@@ -100,12 +100,9 @@ def probe_layers(
     )
     poolings = [] if task == "token" else parse_poolings(pooling or "mean")
     n_examples = len(inputs) - (given or 0)
-    settings = {"seed": seed, "val_fraction": val_fraction}
-    settings.update(max_length=max_length, bootstrap=bootstrap, n_examples=n_examples)
-    if given is None:
-        settings["test_fraction"] = test_fraction
-    else:
-        settings["n_test_examples"] = given
+    settings = _settings(
+        seed, val_fraction, max_length, bootstrap, n_examples, given, test_fraction
+    )
     lap = _Laps()
     backbone, tokenizer = _backbone_and_tokenizer(model, tokenizer, model_kwargs)
     num_layers = _num_layers(backbone)
@@ -117,21 +114,8 @@ def probe_layers(
     lap("features")
     test_from = None if given is None else n_examples  # examples from here on: the given split
     split = split_rows(rows, test_fraction, val_fraction, val_splits, seed, test_from)
-    variants = [rows.y] + ([control_labels(rows, split["train"], seed)] if control else [])
-    y = torch.stack(variants)  # (V, R): the task's labels, then the control task's
-    num_classes = len(rows.classes) if rows.classes is not None else None
-    penalties = torch.tensor([float(v) for v in l2])
-    scores = _train_probes(
-        features,
-        y,
-        split=split,
-        l2=penalties,
-        num_classes=num_classes,
-        max_iter=max_iter,
-        tol=tol,
-        resamples=bootstrap,
-        seed=seed,
-        progress=progress,
+    y, penalties, scores = _score(
+        features, rows, split, control, seed, l2, max_iter, tol, bootstrap, progress
     )
     lap("probes")
     baseline = _baseline(y[0], split, rows.classes is None)
@@ -152,6 +136,58 @@ def probe_layers(
         settings=settings,
         timings=lap.times,
     )
+
+
+def _score(
+    features: dict,
+    rows: Any,
+    split: dict[str, torch.Tensor],
+    control: bool,
+    seed: int,
+    l2: Sequence[float],
+    max_iter: int,
+    tol: float,
+    bootstrap: int,
+    progress: bool,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(labels of each variant, the L2 grid, the probes' scores): the task's labels, then the
+    control task's, fitted together."""
+    variants = [rows.y] + ([control_labels(rows, split["train"], seed)] if control else [])
+    y = torch.stack(variants)  # (V, R): the task's labels, then the control task's
+    num_classes = len(rows.classes) if rows.classes is not None else None
+    penalties = torch.tensor([float(v) for v in l2])
+    scores = _train_probes(
+        features,
+        y,
+        split=split,
+        l2=penalties,
+        num_classes=num_classes,
+        max_iter=max_iter,
+        tol=tol,
+        resamples=bootstrap,
+        seed=seed,
+        progress=progress,
+    )
+    return y, penalties, scores
+
+
+def _settings(
+    seed: int,
+    val_fraction: float,
+    max_length: int,
+    bootstrap: int,
+    n_examples: int,
+    given: int | None,
+    test_fraction: float,
+) -> dict[str, Any]:
+    """The sweep's settings as ``ProbeResults.settings`` records them."""
+    settings = {"seed": seed, "val_fraction": val_fraction}
+    settings.update(max_length=max_length, bootstrap=bootstrap, n_examples=n_examples)
+    if given is None:
+        settings["test_fraction"] = test_fraction
+    else:
+        settings["n_test_examples"] = given
+    return settings
 
 
 def _inputs_and_test_split(
