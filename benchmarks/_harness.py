@@ -49,6 +49,10 @@ def ensure_bench_env() -> None:
     missing = {k: v for k, v in BENCH_ENV.items() if k not in os.environ}
     if not missing or os.environ.get(_REEXEC_MARK):
         return
+    if not sys.argv or not sys.argv[0].endswith(".py"):
+        # Not a script (a test calling main(), pytest-xdist's worker started by `python -c`):
+        # re-executing would replace the caller's process with something else.
+        return
     env = {**os.environ, **missing, _REEXEC_MARK: "1"}
     sys.stdout.flush()
     sys.stderr.flush()
