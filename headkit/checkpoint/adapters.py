@@ -36,6 +36,7 @@ from ..backbone.adapters import (
     split_names,
 )
 from ..errors import CheckpointError, ConfigError
+from .journal import write_marker
 from .manifest import MANIFEST, fsync_file, sha256_file
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def write_adapter(model: HeadedModel, root: Path, token: str) -> dict[str, Any] 
     folder = f"adapter-{token}"
     tmp = root / f".tmp-{folder}"
     tmp.mkdir()
+    write_marker(tmp, token)  # first: a folder without it is never deleted
     save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config.save_pretrained(str(tmp))
     checksums = {}

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from safetensors import SafetensorError
@@ -43,6 +44,10 @@ from .transformer_heads import check_model_class, read_transformer_heads
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
+
+#: How many times a load starts when other processes' saves keep replacing what it reads.
+LOAD_ATTEMPTS = 10
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -84,20 +89,36 @@ class Checkpoint:
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> Checkpoint:
     """Read and verify a checkpoint without building anything (fails fast, before loading).
 
-    A save committed while this reads (another process) makes it read again, up to 3 times.
+    A save committed while this reads (another process) makes it read again (``retrying``).
     """
     root = Path(checkpoint_dir)
+    return retrying(root, lambda: _read(root))
+
+
+def _read(root: Path) -> Checkpoint:
     found = read_transformer_heads(root)
     if found is not None:
         return Checkpoint(root, found.manifest, found.head_state, foreign=found)
-    for attempt in range(3):
+    return _read_once(root)
+
+
+def retrying(root: Path, load: Callable[[], _T]) -> _T:
+    """``load()``, started again when it fails while another process's save commits into
+    ``root`` (the manifest changed meanwhile: the files it read were replaced), up to
+    LOAD_ATTEMPTS times; a failure with the manifest unchanged is raised as it is."""
+    last: Exception | None = None
+    for _ in range(LOAD_ATTEMPTS):
         before = _manifest_bytes(root)
         try:
-            return _read_once(root)
-        except CheckpointError:
-            if attempt == 2 or before is None or _manifest_bytes(root) == before:
+            return load()
+        except (CheckpointError, OSError) as e:
+            if before is None or _manifest_bytes(root) == before:
                 raise
-    raise AssertionError("unreachable")  # pragma: no cover
+            last = e
+    raise CheckpointError(
+        f"{str(root)!r} changed {LOAD_ATTEMPTS} times while it was being loaded (another "
+        f"process keeps saving into it); load it once those saves pause. Last error: {last}"
+    )
 
 
 def _manifest_bytes(root: Path) -> bytes | None:
@@ -156,13 +177,39 @@ def restore(
             "runs code from a checkpoint; load the backbone yourself and pass head_folder_path"
         )
     torch_dtype = requested_dtype(torch_dtype, from_pretrained_kwargs)
-    if not isinstance(checkpoint, Checkpoint):
-        if not Path(checkpoint).exists():  # a hub repo id: revision= is the checkpoint's
-            hub = {k: from_pretrained_kwargs[k] for k in HUB_KWARGS if k in from_pretrained_kwargs}
-            from_pretrained_kwargs.pop("revision", None)
-            checkpoint = resolve_checkpoint(checkpoint, hub)
-        checkpoint = read_checkpoint(checkpoint)
-    ckpt = checkpoint
+    options = dict(
+        model_cls=model_cls,
+        freeze_base_model=freeze_base_model,
+        only_inference=only_inference,
+        torch_dtype=torch_dtype,
+        device_map=device_map,
+        model_class=model_class,
+    )
+    if isinstance(checkpoint, Checkpoint):
+        return _restore(checkpoint, model, from_pretrained_kwargs, **options)
+    if not Path(checkpoint).exists():  # a hub repo id: revision= is the checkpoint's
+        hub = {k: from_pretrained_kwargs[k] for k in HUB_KWARGS if k in from_pretrained_kwargs}
+        from_pretrained_kwargs.pop("revision", None)
+        checkpoint = resolve_checkpoint(checkpoint, hub)
+    root = Path(checkpoint)
+    return retrying(
+        root,
+        lambda: _restore(_read(root), model, dict(from_pretrained_kwargs), **options),
+    )
+
+
+def _restore(
+    ckpt: Checkpoint,
+    model: HeadedModel | None,
+    from_pretrained_kwargs: dict[str, Any],
+    *,
+    model_cls: type | None,
+    freeze_base_model: bool,
+    only_inference: bool,
+    torch_dtype: Any,
+    device_map: Any,
+    model_class: type | None,
+) -> HeadedModel:
     backbone_done = False
     if model is None:
         if model_cls is None:
