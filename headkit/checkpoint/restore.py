@@ -224,7 +224,9 @@ def _restore(
             _check_class(ckpt, model_class)
             backbone, source = _load_backbone(ckpt, torch_dtype, device_map, kwargs)
             if model_class is not None:
-                check_model_class(model_class, backbone.config.model_type, ckpt.root)
+                check_model_class(
+                    model_class, backbone.config.model_type, ckpt.root, type(backbone).__name__
+                )
             load_adapter(base_model_of(backbone), ckpt, trainable=not only_inference)
         model = model_cls(
             backbone,
@@ -287,14 +289,28 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
 
 
 def _check_class(ckpt: Checkpoint, model_class: type | None) -> None:
-    """Refuse a model class of another family before loading, where the config is on disk."""
-    config = _config_json(ckpt) if model_class is not None else None
+    """Refuse a model class of another family before loading: against the backbone's
+    config where it is on disk, else against the class the manifest records."""
+    if model_class is None:
+        return
+    recorded = ckpt.backbone.get("class")
+    recorded = recorded if isinstance(recorded, str) else None
+    config = _config_json(ckpt)
+    model_type = None
     if config is not None and config.is_file():
         try:
             model_type = json.loads(config.read_text()).get("model_type")
         except (OSError, ValueError, AttributeError):
-            return
-        check_model_class(model_class, model_type, ckpt.root)
+            model_type = None
+    elif recorded is not None and recorded.isidentifier():
+        import transformers
+
+        try:
+            known = getattr(transformers, recorded, None)
+        except (ImportError, RuntimeError):  # a class whose optional dependency is missing
+            known = None
+        model_type = getattr(getattr(known, "config_class", None), "model_type", None)
+    check_model_class(model_class, model_type, ckpt.root, recorded)
 
 
 def _check_fingerprint(model: HeadedModel, recorded: Any) -> None:
@@ -340,6 +356,7 @@ def _load_backbone(
     if torch_dtype is None and bb.get("dtype"):
         torch_dtype = bb["dtype"]
     where = resolve_source(bb["source"], ckpt.root)
+    kwargs["use_safetensors"] = True  # never weights from a pickle (GGUF is not one)
     hf = load_backbone(where, torch_dtype=torch_dtype, device_map=device_map, **kwargs)
     return hf, source_of(hf, where, torch_dtype, kwargs)
 

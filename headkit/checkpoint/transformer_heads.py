@@ -48,7 +48,7 @@ from .adapters import (
     _load_state,
     _read_config,
 )
-from .manifest import PICKLE_SUFFIXES
+from .manifest import MAX_MANIFEST_BYTES, PICKLE_SUFFIXES, check_head_count
 from .paths import MANIFEST
 
 if TYPE_CHECKING:
@@ -88,7 +88,9 @@ def is_transformer_heads_checkpoint(path: str | os.PathLike) -> bool:
 
 def _json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+            return None  # (a headkit manifest that large is refused by read_manifest)
+        return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
 
@@ -137,7 +139,12 @@ class TransformerHeadsCheckpoint:
                 cls = AutoModelForCausalLM if wants_lm else AutoModel
             check_model_class(cls, _model_type(self.base), self.base)
             hf = load_backbone(
-                self.base, model_class=cls, torch_dtype=dtype, device_map=device_map, **kwargs
+                self.base,
+                model_class=cls,
+                torch_dtype=dtype,
+                device_map=device_map,
+                use_safetensors=True,  # its base: never weights from a pickle
+                **kwargs,
             )
             return hf, source_of(hf, self.base, dtype, kwargs)
         return self._load_full(model_class, dtype, device_map, kwargs), None
@@ -293,6 +300,7 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
     else:
         fields = list(_json(root / MANIFEST).values())
         tensors = {}
+    check_head_count(len(fields), str(root))
     configs = [_head_config(f, root) for f in fields]
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
@@ -428,15 +436,29 @@ def _model_type(base: str | None) -> str | None:
     return config.get("model_type") if isinstance(config, dict) else None
 
 
-def check_model_class(cls: type, model_type: str | None, where: Any) -> None:
-    """Refuse a transformers model class of another family than the checkpoint's backbone
-    (``GPT2Model`` for a Llama checkpoint); Auto classes and unknown types pass."""
+def check_model_class(
+    cls: Any, model_type: str | None, where: Any, backbone_class: str | None = None
+) -> None:
+    """Refuse what is not a transformers model class, and a class of another family than the
+    checkpoint's backbone (``GPT2Model`` for a Llama checkpoint: a ConfigError naming both
+    classes); Auto classes and unknown types pass."""
+    from transformers import PreTrainedModel
+
+    theirs = backbone_class or (f"a {model_type} model" if model_type else "its backbone")
+    if not isinstance(cls, type) or not (
+        issubclass(cls, PreTrainedModel) or getattr(cls, "_model_mapping", None) is not None
+    ):
+        name = getattr(cls, "__name__", repr(cls))
+        raise ConfigError(
+            f"model class {name} is not a transformers model class; {str(where)!r} holds "
+            f"{theirs}: pass its class (or an Auto class), or the checkpoint path alone"
+        )
     own = getattr(getattr(cls, "config_class", None), "model_type", None)
     if own and model_type and own != model_type:
         raise ConfigError(
             f"model class {cls.__name__} (model_type={own!r}) does not match the backbone of "
-            f"{str(where)!r} (model_type={model_type!r}); pass a {model_type} class, or the "
-            "checkpoint path alone"
+            f"{str(where)!r}, {theirs} (model_type={model_type!r}); pass a {model_type} class, "
+            "or the checkpoint path alone"
         )
 
 
