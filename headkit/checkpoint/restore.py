@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from ..backbone.adapters import base_state_dict
 from ..backbone.fingerprint import tensors_fingerprint
 from ..backbone.inspection import base_model_of
+from ..backbone.safety import check_model_class
 from ..backbone.sources import (
     BackboneSource,
     load_backbone,
@@ -40,7 +41,7 @@ from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
 from .manifest import MANIFEST, TIED, read_manifest, sha256_file
 from .paths import HUB_KWARGS, check_inside, check_tree_inside, resolve_checkpoint
 from .sizes import backbone_width, check_sizes
-from .transformer_heads import check_model_class, read_transformer_heads
+from .transformer_heads import read_transformer_heads
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel

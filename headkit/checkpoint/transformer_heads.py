@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..backbone.adapters import adapter_names, base_state_dict
+from ..backbone.safety import check_model_class
 from ..backbone.sources import load_backbone, source_of
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
@@ -138,13 +139,9 @@ class TransformerHeadsCheckpoint:
 
                 cls = AutoModelForCausalLM if wants_lm else AutoModel
             check_model_class(cls, _model_type(self.base), self.base)
+            kwargs = {**kwargs, "use_safetensors": True}  # never weights from a pickle
             hf = load_backbone(
-                self.base,
-                model_class=cls,
-                torch_dtype=dtype,
-                device_map=device_map,
-                use_safetensors=True,  # its base: never weights from a pickle
-                **kwargs,
+                self.base, model_class=cls, torch_dtype=dtype, device_map=device_map, **kwargs
             )
             return hf, source_of(hf, self.base, dtype, kwargs)
         return self._load_full(model_class, dtype, device_map, kwargs), None
@@ -434,32 +431,6 @@ def _resolve_base(root: Path) -> str:
 def _model_type(base: str | None) -> str | None:
     config = _json(Path(base) / _CONFIG) if base and os.path.isdir(base) else None
     return config.get("model_type") if isinstance(config, dict) else None
-
-
-def check_model_class(
-    cls: Any, model_type: str | None, where: Any, backbone_class: str | None = None
-) -> None:
-    """Refuse what is not a transformers model class, and a class of another family than the
-    checkpoint's backbone (``GPT2Model`` for a Llama checkpoint: a ConfigError naming both
-    classes); Auto classes and unknown types pass."""
-    from transformers import PreTrainedModel
-
-    theirs = backbone_class or (f"a {model_type} model" if model_type else "its backbone")
-    if not isinstance(cls, type) or not (
-        issubclass(cls, PreTrainedModel) or getattr(cls, "_model_mapping", None) is not None
-    ):
-        name = getattr(cls, "__name__", repr(cls))
-        raise ConfigError(
-            f"model class {name} is not a transformers model class; {str(where)!r} holds "
-            f"{theirs}: pass its class (or an Auto class), or the checkpoint path alone"
-        )
-    own = getattr(getattr(cls, "config_class", None), "model_type", None)
-    if own and model_type and own != model_type:
-        raise ConfigError(
-            f"model class {cls.__name__} (model_type={own!r}) does not match the backbone of "
-            f"{str(where)!r}, {theirs} (model_type={model_type!r}); pass a {model_type} class, "
-            "or the checkpoint path alone"
-        )
 
 
 @contextlib.contextmanager
