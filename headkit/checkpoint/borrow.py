@@ -32,7 +32,8 @@ def foreign_owner(model: HeadedModel, root: Path, save_backbone: bool | None) ->
     """The backbone folder the model was loaded from when another checkpoint than ``root``
     owns it (None otherwise); ``save_backbone=False`` there is a CheckpointError."""
     src = model.source
-    found = owning_checkpoint(src.source) if src is not None else None
+    local = src is not None and os.path.isabs(src.source)  # (a hub id is no folder here)
+    found = owning_checkpoint(src.source) if local else None
     if found is None:
         return None
     owner, entry = found

@@ -13,14 +13,14 @@ written with:
   that token (below): its name is derived from the token, never read from the record.
 
 Before a save writes anything it records, in ``.headkit-save-<token>.json``, its token and
-the names it replaces (those the previous manifest says a save wrote, proven as above).
-After the commit it removes them and its own temporaries (never a name the new manifest
-uses), then the record. A save that fails removes what it created. A record left by a save
-that was killed is finished by the next save into the folder (under the folder lock, so that
-save is dead). A record that is not in headkit's form (hand-written, a folder, of another
-token) is reported with a warning and left alone; it never blocks a save. Nothing else in the
-folder is touched: ``data-0123456789ab.csv``, ``backbone-user/``, ``heads-notes.md`` stay,
-whatever a manifest or a record names.
+the names it replaces (those of headkit's form the previous manifest says a save wrote).
+After the commit it removes those that are proven as above and its own temporaries (never a
+name the new manifest uses), then the record. A save that fails removes what it created. A
+record left by a save that was killed is finished by the next save into the folder (under
+the folder lock, so that save is dead). A record that is not in headkit's form (hand-written,
+a folder, of another token) is reported with a warning and left alone; it never blocks a
+save. Nothing else in the folder is touched: ``data-0123456789ab.csv``, ``backbone-user/``,
+``heads-notes.md`` stay, whatever a manifest or a record names.
 """
 
 from __future__ import annotations
@@ -91,11 +91,8 @@ class PendingSave:
     """The record of one save: its token and the proven names of the save it replaces."""
 
     def __init__(self, root: Path, token: str, previous: Any) -> None:
-        self.root, self.token = root, token
-        self.created = created_names(token)
-        candidates = sorted(n for n in owned_files(previous) if token_of(n))
-        self.legacy = {n for n in candidates if _proven_by_checksums(root, n, previous)}
-        self.replaces = [n for n in candidates if n in self.legacy or _provable(root, n)]
+        self.root, self.token, self.previous = root, token, previous
+        self.replaces = sorted(n for n in owned_files(previous) if token_of(n))
         self.path = root / f"{PREFIX}{token}.json"
 
     def __enter__(self) -> PendingSave:
@@ -110,10 +107,12 @@ class PendingSave:
         if manifest is not None or exc_type is not None:
             keep = in_use(manifest)
             _remove_created(self.root, self.token, keep)
-            if exc_type is None:
-                for name in self.replaces:
-                    if name not in keep and (name in self.legacy or _provable(self.root, name)):
-                        _delete(self.root / name)
+            for name in self.replaces if exc_type is None else ():
+                if name not in keep and (
+                    _provable(self.root, name)
+                    or _proven_by_checksums(self.root, name, self.previous)
+                ):
+                    _delete(self.root / name)
         self.path.unlink(missing_ok=True)
 
 
