@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from .backbone.safety import check_model_class
 from .backbone.sources import (
     BackboneSource,
     is_sentence_transformer,
@@ -22,7 +23,7 @@ from .backbone.sources import (
 from .checkpoint import read_checkpoint, restore
 from .checkpoint.adapters import require_quantization_support
 from .checkpoint.paths import is_checkpoint
-from .checkpoint.transformer_heads import check_model_class, is_transformer_heads_checkpoint
+from .checkpoint.transformer_heads import is_transformer_heads_checkpoint
 from .config import HeadConfig
 from .errors import ConfigError
 from .model.headed import HeadedModel

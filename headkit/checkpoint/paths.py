@@ -23,6 +23,11 @@ MAX_NAME = 255
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
 #: Keywords of ``HeadedModel.from_pretrained`` that choose a checkpoint on the hub.
 HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token")
+#: The exact names of what a save writes and a later save may replace: the heads file, a
+#: backbone copy, a LoRA adapter; each with the writing save's 12-hex-digit token.
+OWNED = re.compile(
+    r"heads-(?P<file>[0-9a-f]{12})\.safetensors|(backbone|adapter)-(?P<dir>[0-9a-f]{12})"
+)
 
 
 def plain_name(name: Any) -> bool:
@@ -33,6 +38,26 @@ def plain_name(name: Any) -> bool:
         and not {"/", "\\", "\0"} & set(name)
         and len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME
     )
+
+
+def token_of(name: str) -> str | None:
+    """The save token in a name of headkit's exact form (``OWNED``), else None."""
+    m = OWNED.fullmatch(name)
+    return (m.group("file") or m.group("dir")) if m else None
+
+
+def owning_checkpoint(path: str | os.PathLike) -> tuple[Path, str] | None:
+    """(checkpoint folder, entry) when ``path`` resolves into a ``backbone-*`` or ``adapter-*``
+    folder of a headkit checkpoint: a folder that checkpoint's next save may delete."""
+    try:
+        real = Path(path).resolve()
+    except (OSError, RuntimeError):
+        return None
+    for parent in real.parents:
+        first = real.relative_to(parent).parts[0]
+        if OWNED.fullmatch(first) and not first.startswith("heads-") and is_checkpoint(parent):
+            return parent, first
+    return None
 
 
 def containment_root(root: Path) -> Path:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from safetensors import SafetensorError
@@ -25,6 +26,7 @@ from safetensors.torch import load_file
 from ..backbone.adapters import base_state_dict
 from ..backbone.fingerprint import tensors_fingerprint
 from ..backbone.inspection import base_model_of
+from ..backbone.safety import check_model_class
 from ..backbone.sources import (
     BackboneSource,
     load_backbone,
@@ -39,10 +41,14 @@ from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
 from .manifest import MANIFEST, TIED, read_manifest, sha256_file
 from .paths import HUB_KWARGS, check_inside, check_tree_inside, resolve_checkpoint
 from .sizes import backbone_width, check_sizes
-from .transformer_heads import check_model_class, read_transformer_heads
+from .transformer_heads import read_transformer_heads
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
+
+#: How many times a load starts when other processes' saves keep replacing what it reads.
+LOAD_ATTEMPTS = 10
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -84,20 +90,36 @@ class Checkpoint:
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> Checkpoint:
     """Read and verify a checkpoint without building anything (fails fast, before loading).
 
-    A save committed while this reads (another process) makes it read again, up to 3 times.
+    A save committed while this reads (another process) makes it read again (``retrying``).
     """
     root = Path(checkpoint_dir)
+    return retrying(root, lambda: _read(root))
+
+
+def _read(root: Path) -> Checkpoint:
     found = read_transformer_heads(root)
     if found is not None:
         return Checkpoint(root, found.manifest, found.head_state, foreign=found)
-    for attempt in range(3):
+    return _read_once(root)
+
+
+def retrying(root: Path, load: Callable[[], _T]) -> _T:
+    """``load()``, started again when it fails while another process's save commits into
+    ``root`` (the manifest changed meanwhile: the files it read were replaced), up to
+    LOAD_ATTEMPTS times; a failure with the manifest unchanged is raised as it is."""
+    last: Exception | None = None
+    for _ in range(LOAD_ATTEMPTS):
         before = _manifest_bytes(root)
         try:
-            return _read_once(root)
-        except CheckpointError:
-            if attempt == 2 or before is None or _manifest_bytes(root) == before:
+            return load()
+        except (CheckpointError, OSError) as e:
+            if before is None or _manifest_bytes(root) == before:
                 raise
-    raise AssertionError("unreachable")  # pragma: no cover
+            last = e
+    raise CheckpointError(
+        f"{str(root)!r} changed {LOAD_ATTEMPTS} times while it was being loaded (another "
+        f"process keeps saving into it); load it once those saves pause. Last error: {last}"
+    )
 
 
 def _manifest_bytes(root: Path) -> bytes | None:
@@ -156,13 +178,39 @@ def restore(
             "runs code from a checkpoint; load the backbone yourself and pass head_folder_path"
         )
     torch_dtype = requested_dtype(torch_dtype, from_pretrained_kwargs)
-    if not isinstance(checkpoint, Checkpoint):
-        if not Path(checkpoint).exists():  # a hub repo id: revision= is the checkpoint's
-            hub = {k: from_pretrained_kwargs[k] for k in HUB_KWARGS if k in from_pretrained_kwargs}
-            from_pretrained_kwargs.pop("revision", None)
-            checkpoint = resolve_checkpoint(checkpoint, hub)
-        checkpoint = read_checkpoint(checkpoint)
-    ckpt = checkpoint
+    options = dict(
+        model_cls=model_cls,
+        freeze_base_model=freeze_base_model,
+        only_inference=only_inference,
+        torch_dtype=torch_dtype,
+        device_map=device_map,
+        model_class=model_class,
+    )
+    if isinstance(checkpoint, Checkpoint):
+        return _restore(checkpoint, model, from_pretrained_kwargs, **options)
+    if not Path(checkpoint).exists():  # a hub repo id: revision= is the checkpoint's
+        hub = {k: from_pretrained_kwargs[k] for k in HUB_KWARGS if k in from_pretrained_kwargs}
+        from_pretrained_kwargs.pop("revision", None)
+        checkpoint = resolve_checkpoint(checkpoint, hub)
+    root = Path(checkpoint)
+    return retrying(
+        root,
+        lambda: _restore(_read(root), model, dict(from_pretrained_kwargs), **options),
+    )
+
+
+def _restore(
+    ckpt: Checkpoint,
+    model: HeadedModel | None,
+    from_pretrained_kwargs: dict[str, Any],
+    *,
+    model_cls: type | None,
+    freeze_base_model: bool,
+    only_inference: bool,
+    torch_dtype: Any,
+    device_map: Any,
+    model_class: type | None,
+) -> HeadedModel:
     backbone_done = False
     if model is None:
         if model_cls is None:
@@ -177,7 +225,9 @@ def restore(
             _check_class(ckpt, model_class)
             backbone, source = _load_backbone(ckpt, torch_dtype, device_map, kwargs)
             if model_class is not None:
-                check_model_class(model_class, backbone.config.model_type, ckpt.root)
+                check_model_class(
+                    model_class, backbone.config.model_type, ckpt.root, type(backbone).__name__
+                )
             load_adapter(base_model_of(backbone), ckpt, trainable=not only_inference)
         model = model_cls(
             backbone,
@@ -240,14 +290,28 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
 
 
 def _check_class(ckpt: Checkpoint, model_class: type | None) -> None:
-    """Refuse a model class of another family before loading, where the config is on disk."""
-    config = _config_json(ckpt) if model_class is not None else None
+    """Refuse a model class of another family before loading: against the backbone's
+    config where it is on disk, else against the class the manifest records."""
+    if model_class is None:
+        return
+    recorded = ckpt.backbone.get("class")
+    recorded = recorded if isinstance(recorded, str) else None
+    config = _config_json(ckpt)
+    model_type = None
     if config is not None and config.is_file():
         try:
             model_type = json.loads(config.read_text()).get("model_type")
         except (OSError, ValueError, AttributeError):
-            return
-        check_model_class(model_class, model_type, ckpt.root)
+            model_type = None
+    elif recorded is not None and recorded.isidentifier():
+        import transformers
+
+        try:
+            known = getattr(transformers, recorded, None)
+        except (ImportError, RuntimeError):  # a class whose optional dependency is missing
+            known = None
+        model_type = getattr(getattr(known, "config_class", None), "model_type", None)
+    check_model_class(model_class, model_type, ckpt.root, recorded)
 
 
 def _check_fingerprint(model: HeadedModel, recorded: Any) -> None:
@@ -293,6 +357,7 @@ def _load_backbone(
     if torch_dtype is None and bb.get("dtype"):
         torch_dtype = bb["dtype"]
     where = resolve_source(bb["source"], ckpt.root)
+    kwargs["use_safetensors"] = True  # never weights from a pickle (GGUF is not one)
     hf = load_backbone(where, torch_dtype=torch_dtype, device_map=device_map, **kwargs)
     return hf, source_of(hf, where, torch_dtype, kwargs)
 

@@ -28,8 +28,9 @@ from ..backbone.tying import tied_head_weights
 from ..errors import CheckpointError, ConfigError
 from ..losses.weighting import savable_config
 from .adapters import quantization_entry, write_adapter
+from .borrow import foreign_owner, link_backbone
 from .card import write_card
-from .journal import PendingSave, recover
+from .journal import PendingSave, recover, write_marker
 from .lock import folder_lock
 from .manifest import (
     FORMAT,
@@ -41,7 +42,7 @@ from .manifest import (
     fsync_file,
     sha256_file,
 )
-from .paths import owned_files, read_raw
+from .paths import read_raw
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
@@ -86,7 +87,7 @@ def save_checkpoint(
         recover(root)  # finish what a killed save left
         token = uuid.uuid4().hex[:12]
         previous = read_raw(root / MANIFEST)
-        with PendingSave(root, token, _names(token), owned_files(previous)):
+        with PendingSave(root, token, previous):
             weights_name = _write_heads(model, root, token)
             adapter = write_adapter(model, root, token)  # the backbone's LoRA adapter, if any
             entry = _backbone_entry(model, root, token, previous, save_backbone, max_shard_size)
@@ -144,20 +145,6 @@ def _check_options(safe_serialization: Any, max_shard_size: Any, unsupported: di
             )
 
 
-def _names(token: str) -> list[str]:
-    """Every name this save may create (all carry its token)."""
-    return [
-        f"heads-{token}.safetensors",
-        f".tmp-heads-{token}.safetensors",
-        f"backbone-{token}",
-        f".tmp-backbone-{token}",
-        f"adapter-{token}",
-        f".tmp-adapter-{token}",
-        f".tmp-{MANIFEST}-{token}",
-        f".tmp-README.md-{token}",  # the model card's (card.py)
-    ]
-
-
 def _backbone_entry(
     model: HeadedModel,
     root: Path,
@@ -168,14 +155,26 @@ def _backbone_entry(
 ) -> dict[str, Any]:
     """The manifest's backbone entry: the saved folder in place (saving back, unchanged),
     a reference to the source, or a fresh copy."""
-    referable = backbone_is_referable(model)
+    referable, asked = backbone_is_referable(model), save_backbone
+    # weights not in safetensors or GGUF files (pickles): a checkpoint never loads those
+    unsafe = referable and not model.source.fingerprint.startswith("files:")
     if save_backbone is None:
         kept = _saved_in_place(model, root, previous) if referable else None
         if kept is not None:
             return kept
-        save_backbone = not referable or model.source.saved_in is not None
+        save_backbone = not referable or model.source.saved_in is not None or unsafe
+    owned = foreign_owner(model, root, asked) if referable else None
+    if owned is not None:  # a folder another checkpoint owns (and deletes): linked or copied
+        linked = link_backbone(model, owned, root, token)
+        return linked or _write_backbone(model, root, token, max_shard_size)
     if save_backbone:
         return _write_backbone(model, root, token, max_shard_size)
+    if unsafe:
+        raise CheckpointError(
+            f"save_backbone=False, but the backbone's weights at {model.source.source!r} are "
+            "not in safetensors or GGUF files, and a checkpoint never loads pickles: save it "
+            "(save_backbone=None or True)"
+        )
     if model.source is None:
         raise CheckpointError(
             "save_backbone=False, but the backbone has no source to reference (it was built in "
@@ -217,7 +216,8 @@ def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
     tmp = root / f".tmp-{name}"
     state = {k: v.detach().contiguous().cpu() for k, v in model.head_state_dict().items()}
     version = str(PLAIN_FORMAT_VERSION)
-    save_file(state, str(tmp), metadata={"format": FORMAT, "format_version": version})
+    metadata = {"format": FORMAT, "format_version": version, "token": token}
+    save_file(state, str(tmp), metadata=metadata)  # the token proves the file is headkit's
     os.chmod(tmp, 0o644)  # safetensors creates files readable by the owner only
     fsync_file(tmp)
     os.replace(tmp, root / name)
@@ -233,6 +233,8 @@ def _write_backbone(
     # a LoRA backbone is saved as it was before peft (its adapter is saved on its own)
     if has_adapters(model.backbone):
         options["state_dict"] = base_state_dict(model.backbone)
+    tmp.mkdir()
+    write_marker(tmp, token)  # first: a folder without it is never deleted
     model.backbone.save_pretrained(tmp, safe_serialization=True, **options)
     checksums = {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}
     for f in tmp.iterdir():

@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..backbone.adapters import adapter_names, base_state_dict
+from ..backbone.safety import check_model_class
 from ..backbone.sources import load_backbone, source_of
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
@@ -48,7 +49,7 @@ from .adapters import (
     _load_state,
     _read_config,
 )
-from .manifest import PICKLE_SUFFIXES
+from .manifest import MAX_MANIFEST_BYTES, PICKLE_SUFFIXES, check_head_count
 from .paths import MANIFEST
 
 if TYPE_CHECKING:
@@ -88,7 +89,9 @@ def is_transformer_heads_checkpoint(path: str | os.PathLike) -> bool:
 
 def _json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+            return None  # (a headkit manifest that large is refused by read_manifest)
+        return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
 
@@ -136,6 +139,7 @@ class TransformerHeadsCheckpoint:
 
                 cls = AutoModelForCausalLM if wants_lm else AutoModel
             check_model_class(cls, _model_type(self.base), self.base)
+            kwargs = {**kwargs, "use_safetensors": True}  # never weights from a pickle
             hf = load_backbone(
                 self.base, model_class=cls, torch_dtype=dtype, device_map=device_map, **kwargs
             )
@@ -293,6 +297,7 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
     else:
         fields = list(_json(root / MANIFEST).values())
         tensors = {}
+    check_head_count(len(fields), str(root))
     configs = [_head_config(f, root) for f in fields]
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
@@ -426,18 +431,6 @@ def _resolve_base(root: Path) -> str:
 def _model_type(base: str | None) -> str | None:
     config = _json(Path(base) / _CONFIG) if base and os.path.isdir(base) else None
     return config.get("model_type") if isinstance(config, dict) else None
-
-
-def check_model_class(cls: type, model_type: str | None, where: Any) -> None:
-    """Refuse a transformers model class of another family than the checkpoint's backbone
-    (``GPT2Model`` for a Llama checkpoint); Auto classes and unknown types pass."""
-    own = getattr(getattr(cls, "config_class", None), "model_type", None)
-    if own and model_type and own != model_type:
-        raise ConfigError(
-            f"model class {cls.__name__} (model_type={own!r}) does not match the backbone of "
-            f"{str(where)!r} (model_type={model_type!r}); pass a {model_type} class, or the "
-            "checkpoint path alone"
-        )
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from transformers.utils import ModelOutput
 
 from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
+from .budget import check_generation_size
 
 if TYPE_CHECKING:
     from .headed import HeadedModel
@@ -136,6 +137,8 @@ class HeadedGenerationMixin:
         else:
             kwargs["return_dict_in_generate"] = True
         effective = _effective_config(self, generation_config, kwargs)
+        layers, recorded = plan.head_layers | {plan.lm_layer}, set(plan.sequence_heads.values())
+        check_generation_size(self, input_ids, effective, layers, len(recorded))
         driver = _driver_class(type(self.backbone))(self, plan)
         was_training = self.training
         self.eval()  # dropout would add noise and draw from the sampling RNG

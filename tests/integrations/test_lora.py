@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModel,
     BitsAndBytesConfig,
+    GPT2Model,
     LlamaForCausalLM,
     TrainingArguments,
 )
@@ -261,7 +262,24 @@ CALL_CASES = {
         lambda d: load_lora_with_heads(d["gpt2"], d["llama"]),
         r"give the checkpoint path once \(a model class may come first\)",
     ),
+    "load-class-of-another-family": (
+        lambda d: load_lora_with_heads(GPT2Model, _llama_lora_ckpt(d)),
+        r"model class GPT2Model \(model_type='gpt2'\) does not match the backbone of "
+        r"'.*llama-lora', LlamaModel \(model_type='llama'\)",
+    ),
+    "load-not-a-model-class": (
+        lambda d: load_lora_with_heads(torch.nn.Linear, _llama_lora_ckpt(d)),
+        r"model class Linear is not a transformers model class; '.*llama-lora' holds LlamaModel",
+    ),
 }
+
+
+def _llama_lora_ckpt(dirs: dict[str, Path]) -> Path:
+    """A LoRA checkpoint on the tiny Llama base (saved once per module)."""
+    folder = dirs["llama"].parent / "llama-lora"
+    if not folder.exists():
+        create(dirs["llama"]).save_pretrained(folder)
+    return folder
 
 
 @pytest.mark.parametrize("case", list(CALL_CASES))
@@ -454,7 +472,32 @@ ADAPTER_CASES = {
         lambda c: _edit_adapter_config(c, megatron_config={"tensor_model_parallel_size": 1}),
         r"megatron_config=.* is not supported in headkit checkpoints",
     ),
+    "adapter-rank-beyond-any-bound": (
+        lambda c: _edit_adapter_config(c, r=10**6),
+        r"its adapter's r=1000000 is invalid; a LoRA rank from 1 to 4096",
+    ),
+    "adapter-rank-pattern-beyond-any-bound": (
+        lambda c: _edit_adapter_config(c, rank_pattern={"h\\.0\\.attn\\.c_attn": 10**6}),
+        r"its adapter's rank_pattern\['h.*c_attn'\]=1000000 is invalid; a LoRA rank from 1 to",
+    ),
+    "adapter-rank-beyond-the-layer": (
+        lambda c: _edit_adapter_config(c, r=64),
+        r"its adapter's rank 64 for layer 'h\.0\.attn\.c_attn' exceeds the layer's width "
+        r"\(weight \(32, 96\)\)",
+    ),
+    "adapter-folder-symlinked-outside": (
+        lambda c: _move_adapter_outside(c),
+        r"adapter folder '.*adapter-[0-9a-f]{12}' leads outside the checkpoint",
+    ),
 }
+
+
+def _move_adapter_outside(ckpt: Path) -> None:
+    """The adapter folder replaced by a symlink to the same files outside the checkpoint."""
+    folder = next(ckpt.glob("adapter-*"))
+    outside = ckpt.parent / "outside-adapter"
+    folder.rename(outside)
+    folder.symlink_to(outside)
 
 
 def _edit_adapter_config(ckpt: Path, **changes: Any) -> None:

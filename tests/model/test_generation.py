@@ -369,6 +369,20 @@ GENERATION_CASES = {
         BatchError,
         r"input_ids holds token id 100, outside the vocabulary; allowed: 0..99",
     ),
+    "num-return-sequences-beyond-the-cap": (
+        lambda: headed("llama")[0].generate(
+            **prompts(), do_sample=True, num_return_sequences=10**6
+        ),
+        ConfigError,
+        r"num_return_sequences=1000000 is invalid; 1 to 10000 sequences per prompt",
+    ),
+    "generation-beyond-free-memory": (
+        lambda: headed("gpt2")[0].generate(**prompts(), max_new_tokens=10**12),
+        ConfigError,
+        r"generate with batch 3 × num_return_sequences 1 = 3 rows of 7 \+ 1000000000000 "
+        r"positions needs at least \d+\.\d GiB \(KV cache and logits\), but the cpu device "
+        r"has \d+\.\d GiB free",
+    ),
 }
 
 
