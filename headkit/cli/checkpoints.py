@@ -8,7 +8,6 @@ length), so ``eval`` and ``predict`` need nothing else.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,16 @@ CLI_SETTINGS = "headkit_cli.json"
 def save_checkpoint(
     model: HeadedModel, tokenizer: Any, out: str | Path, settings: dict[str, Any]
 ) -> Path:
-    """Write the model's checkpoint, its tokenizer and the CLI settings to ``out``."""
+    """Write the model's checkpoint, its tokenizer and the CLI settings to ``out`` (a new or
+    empty folder, or a checkpoint ``headkit train`` wrote: ``train.check_output``). The
+    checkpoint comes first, so a folder left by an interrupted run is a checkpoint that
+    ``--overwrite`` replaces."""
+    from .outputs import write_text
+
     out = Path(out)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    tmp = out / f"{CLI_SETTINGS}.tmp"
-    tmp.write_text(json.dumps(settings, indent=2) + "\n")
-    os.replace(tmp, out / CLI_SETTINGS)
+    write_text(out / CLI_SETTINGS, json.dumps(settings, indent=2) + "\n")
     return out
 
 

@@ -47,9 +47,17 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
     from ..packaged import rotten_tomatoes
     from ..probe.sweep import probe_layers
     from .datafiles import read_rows, write_rows
+    from .outputs import check_output_folder
     from .predict import run_predict
     from .train import load_train_config, run_train
 
+    check_output_folder(
+        out,
+        [],
+        overwrite=True,  # the demo's own files, from an earlier run
+        ours=lambda folder: (folder / "train.yaml").is_file(),
+        what="an earlier headkit demo's output",
+    )
     start = time.perf_counter()
     rows = rotten_tomatoes(limit=examples, seed=0)
     texts = [t for t, _ in rows]
@@ -98,16 +106,20 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
             "text_column": "text",
             "label_columns": {"sentiment": "label"},
         },
-        "training": {"epochs": 20, "batch_size": 32, "lr": 3e-3, "seed": 0},
+        "training": {"batch_size": 32, "seed": 0},  # epochs, lr: the defaults
         "output": "sentiment",
     }
     (out / "train.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    trained = run_train(load_train_config(out / "train.yaml"), progress=progress)
+    trained = run_train(load_train_config(out / "train.yaml"), progress=progress, overwrite=True)
     accuracy = trained["metrics"]["sentiment"]["accuracy"]
 
     print(f"\n[3/3] held-out predictions (headkit predict -> {out / 'predictions.csv'})")
     predictions = run_predict(
-        out / "sentiment", str(out / "test.csv"), out / "predictions.csv", progress=progress
+        out / "sentiment",
+        str(out / "test.csv"),
+        out / "predictions.csv",
+        progress=progress,
+        overwrite=True,
     )
     for r in read_rows(predictions, limit=3):
         print(f"  {r['sentiment']:<6} p={float(r['sentiment_prob']):.2f}  {r['text'][:70]}")
