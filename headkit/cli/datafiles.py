@@ -255,7 +255,7 @@ def _any_field_size() -> Iterator[None]:
 def _csv(path: Path, delimiter: str, limit: int | None, encoding: str) -> list[dict]:
     rows: list[dict] = []
     with _any_field_size(), open(path, newline="", encoding=encoding) as f:
-        reader = csv.reader(f, delimiter=delimiter)
+        reader = csv.reader(f, delimiter=delimiter, strict=True)
         try:
             header = next(reader, None)
             if header is None:
