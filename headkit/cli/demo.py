@@ -89,26 +89,7 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
     table = [{"text": t, "label": y} for t, y in zip(texts, labels)]
     write_rows(out / "train.csv", [r for i, r in enumerate(table) if i not in held_out])
     write_rows(out / "test.csv", [r for i, r in enumerate(table) if i in held_out])
-    config = {
-        "model": "packaged:minilm",
-        "heads": [
-            {
-                "name": "sentiment",
-                "layer_hook": best.layer,
-                "pred_for_sequence": True,
-                "pooling": "mean",
-                "output_bias": True,
-            }
-        ],
-        "data": {
-            "train": "train.csv",
-            "eval": "test.csv",
-            "text_column": "text",
-            "label_columns": {"sentiment": "label"},
-        },
-        "training": {"batch_size": 32, "seed": 0},  # epochs, lr: the defaults
-        "output": "sentiment",
-    }
+    config = _train_config(best.layer)
     (out / "train.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     trained = run_train(load_train_config(out / "train.yaml"), progress=progress, overwrite=True)
     accuracy = trained["metrics"]["sentiment"]["accuracy"]
@@ -136,3 +117,27 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
         f"(checkpoint), predictions.csv; {elapsed:.0f} s in all"
     )
     return {"probe": best.score, "head": accuracy, "baseline": results.baseline, "seconds": elapsed}
+
+
+def _train_config(layer: int) -> dict:
+    """The demo's train config: a sentiment head on ``layer``, training at the defaults."""
+    return {
+        "model": "packaged:minilm",
+        "heads": [
+            {
+                "name": "sentiment",
+                "layer_hook": layer,
+                "pred_for_sequence": True,
+                "pooling": "mean",
+                "output_bias": True,
+            }
+        ],
+        "data": {
+            "train": "train.csv",
+            "eval": "test.csv",
+            "text_column": "text",
+            "label_columns": {"sentiment": "label"},
+        },
+        "training": {"batch_size": 32, "seed": 0},  # epochs, lr: the defaults
+        "output": "sentiment",
+    }

@@ -81,7 +81,7 @@ def check_export_folder(args: argparse.Namespace) -> None:
         local_inputs(args.checkpoint),
         args.overwrite,
         ours=lambda folder: (folder / sidecar).is_file(),
-        what=f"an earlier {args.format} export ({sidecar})",
+        what=f"an earlier {args.format} export",
     )
 
 

@@ -79,6 +79,15 @@ def test_a_ragged_or_broken_csv_row_is_named(tmp_path, body, message) -> None:
     assert message in str(e.value)
 
 
+def test_a_column_named_twice_is_refused(tmp_path) -> None:
+    path = tmp_path / "twice.csv"
+    path.write_text("text,text\na,b\n")
+    with pytest.raises(
+        ConfigError, match=r"the header names column\(s\) \['text'\] more than once"
+    ):
+        read_rows(path)
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_json_nested_too_deeply_is_one_error(tmp_path, suffix) -> None:
     deep = '{"text": "x", "label": ' + "[" * 100_000 + "]" * 100_000 + "}"

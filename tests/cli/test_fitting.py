@@ -80,6 +80,8 @@ def test_a_warning_when_the_loss_is_still_falling_at_the_last_epoch(files, tmp_p
     assert result["best_epoch"] is None and result["val_losses"] == []
 
 
+@pytest.mark.filterwarnings("ignore::headkit.cli.train.LossStillFallingWarning")
+@pytest.mark.filterwarnings("ignore:HeadedModel. the deepest head reads")
 def test_the_backbone_trained_too_is_validated_the_same_way(files, tmp_path) -> None:
     training = "{freeze_backbone: false, epochs: 2, lr: 1.0e-3}"
     config = write_config(tmp_path / "c.yaml", files["model"], files["train"], training)

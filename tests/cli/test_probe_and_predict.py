@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import logging
+import shutil
 
 import pytest
 from cli_helpers import one_error_line, review_files, tiny_model, train_checkpoint
@@ -27,7 +28,12 @@ def files(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("probe_predict")
     model = tiny_model(root)
     data = review_files(root)
-    return {"root": root, "model": model, **data}
+    return {
+        "root": root,
+        "model": model,
+        **data,
+        "ckpt": train_checkpoint(root, model, data["train"]),
+    }
 
 
 def _probe(files: dict, out, *extra: str) -> list[str]:
@@ -56,9 +62,7 @@ def test_layers_may_start_with_a_minus(files, tmp_path, spelling) -> None:
 
 
 def test_predict_without_output_writes_csv_to_standard_output_only(files, capsys) -> None:
-    ckpt = train_checkpoint(files["root"], files["model"], files["train"])
-    capsys.readouterr()
-    assert main(["predict", str(ckpt), "--data", str(files["test"]), "--limit", "5"]) == 0
+    assert main(["predict", str(files["ckpt"]), "--data", str(files["test"]), "--limit", "5"]) == 0
     captured = capsys.readouterr()
     rows = list(csv.DictReader(io.StringIO(captured.out)))
     assert list(rows[0]) == [
@@ -118,3 +122,28 @@ def test_the_plot_says_its_error_bars_are_95_percent_bootstrap_intervals() -> No
     results.plot(ax=ax)
     assert "error bars: 95% bootstrap interval" in ax.get_ylabel()
     plt.close(fig)
+
+
+def test_a_dtype_is_checked_by_name_before_the_model_is_loaded(files, tmp_path, capsys):
+    args = ["probe", "--model", "/nonexistent", "--data", str(files["train"]), "--output"]
+    args += [str(tmp_path), "--model-kwarg", "torch_dtype=bogus"]
+    line = one_error_line(main(args), capsys.readouterr().err)
+    assert "--model-kwarg torch_dtype='bogus' is invalid; allowed: auto, bfloat16, " in line
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ("{not json", "headkit_cli.json is not valid JSON"),
+        ("[1, 2]", "headkit_cli.json must hold a JSON object"),
+        ('{"max_length": "long"}', "max_length='long' is invalid; allowed: an integer >= 1"),
+        ('{"label_columns": ["label"]}', "label_columns=['label'] is invalid; allowed: a mapping"),
+    ],
+)
+def test_a_corrupt_cli_settings_file_is_one_line(files, tmp_path, capsys, settings, message):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(files["ckpt"], ckpt)
+    (ckpt / "headkit_cli.json").write_text(settings)
+    args = ["eval", str(ckpt), "--data", str(files["test"]), "--quiet"]
+    line = one_error_line(main(args), capsys.readouterr().err)
+    assert f"CHECKPOINT='{ckpt}': " in line and message in line
