@@ -163,3 +163,10 @@ def test_files_are_written_under_a_fresh_name_and_renamed(tmp_path) -> None:
     assert not a.exists() and not b.exists()
     write_file(out, lambda f: f.write("new"))
     assert out.read_text() == "new"
+
+
+def test_the_demo_refuses_a_folder_of_other_files(tmp_path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    line = one_error_line(main(["demo", "--output", str(tmp_path)]), capsys.readouterr().err)
+    assert "files that are not an earlier headkit demo's output (notes.txt)" in line
+    assert (tmp_path / "notes.txt").read_text() == "mine"
