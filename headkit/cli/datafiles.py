@@ -75,6 +75,8 @@ def read_rows(
 def text_encoding(path: Path, encoding: str | None = None) -> str:
     """The codec ``path`` decodes with: ``encoding`` if given, else its byte-order mark's,
     else UTF-8. The whole file is checked, so a bad byte is reported with its offset."""
+    with open(path, "rb") as f:
+        head = f.read(4)
     if encoding is not None:
         try:
             codec = codecs.lookup(encoding).name
@@ -83,11 +85,13 @@ def text_encoding(path: Path, encoding: str | None = None) -> str:
                 f"--encoding={encoding!r} is not a known text encoding; e.g. utf-8, utf-16, "
                 "latin-1, cp1252"
             ) from None
+        if codec == "utf-8" and head.startswith(codecs.BOM_UTF8):
+            codec = "utf-8-sig"  # the mark is not text
+        how = f"--encoding={encoding}"
     else:
-        with open(path, "rb") as f:
-            head = f.read(4)
         codec = _bom_codec(head)
-    _check_decodes(path, codec, encoding is not None)
+        how = "read as UTF-8: no byte-order mark" if codec == "utf-8" else f"read as {codec}"
+    _check_decodes(path, codec, how)
     return codec
 
 
@@ -101,7 +105,7 @@ def _bom_codec(head: bytes) -> str:
     return "utf-8"
 
 
-def _check_decodes(path: Path, codec: str, given: bool) -> None:
+def _check_decodes(path: Path, codec: str, how: str) -> None:
     decoder = codecs.getincrementaldecoder(codec)()
     done = 0  # bytes fed to the decoder so far
     with open(path, "rb") as f:
@@ -113,7 +117,6 @@ def _check_decodes(path: Path, codec: str, given: bool) -> None:
             except UnicodeDecodeError as e:
                 at = done - pending + e.start
                 bad = e.object[e.start : e.start + 4]
-                how = f"--encoding={codec}" if given else "it is read as UTF-8 (no byte-order mark)"
                 raise ConfigError(
                     f"data file {str(path)!r}: byte {at} ({bad!r}) does not decode ({how}); "
                     "name the file's encoding with --encoding, e.g. --encoding latin-1 or "

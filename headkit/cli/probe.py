@@ -103,10 +103,10 @@ def run(args: argparse.Namespace) -> None:
         args.output, local_inputs(args.data, args.test_data, args.model), args.overwrite
     )
     check_model_kwargs(dict(args.model_kwarg))
-    texts, labels = read_examples(args, args.data, "--data")
+    texts, labels = read_examples(args, args.data)
     test: dict = {}
     if args.test_data is not None:
-        test_texts, test_labels = read_examples(args, args.test_data, "--test-data")
+        test_texts, test_labels = read_examples(args, args.test_data)
         test = {"test_inputs": test_texts, "test_labels": test_labels}
     options = {"l2": args.l2} if args.l2 else {}
     results = probe_layers(
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> None:
     write_results(results, out)
 
 
-def read_examples(args: argparse.Namespace, source: str, option: str) -> tuple[list, list]:
+def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
     """(inputs, labels) of a data file by the task: texts and classes, numbers or per-word
     labels; empty label cells are refused with their row numbers."""
     from ..data.encoding import as_class
