@@ -106,7 +106,10 @@ def run(args: argparse.Namespace) -> None:
     texts, labels = read_examples(args, args.data)
     test: dict = {}
     if args.test_data is not None:
-        test_texts, test_labels = read_examples(args, args.test_data)
+        try:
+            test_texts, test_labels = read_examples(args, args.test_data)
+        except ConfigError as e:  # named as --test-data's (main reports "data file" as --data)
+            raise ConfigError(f"--test-data={args.test_data!r}: {e}") from None
         test = {"test_inputs": test_texts, "test_labels": test_labels}
     options = {"l2": args.l2} if args.l2 else {}
     results = probe_layers(

@@ -52,6 +52,11 @@ def test_test_data_is_the_split_scored_and_n_test_its_row_count(files, tmp_path,
     both = [*args, "--test-fraction", "0.3", "--output", str(tmp_path / "b")]
     line = one_error_line(main(both), capsys.readouterr().err)
     assert "pass one of them" in line
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("text,label\nw1 good,pos\nw2,neg,extra\n")
+    args = [*_probe(files, tmp_path), "--test-data", str(ragged), "--output", str(tmp_path / "r")]
+    line = one_error_line(main(args), capsys.readouterr().err)
+    assert f"error: --test-data='{ragged}': {ragged}: row 1 (line 3) has 3 fields" in line
 
 
 @pytest.mark.parametrize("spelling", [["--layers", "-2:"], ["--layers=-2:"]])
