@@ -92,6 +92,7 @@ def check_model_kwargs(kwargs: dict[str, Any], where: str = "--model-kwarg") -> 
 
 
 def add_encoding(p: argparse.ArgumentParser) -> None:
+    """``--encoding``: the text encoding of the data files a command reads."""
     p.add_argument(
         "--encoding",
         help="text encoding of the data files (default: from the byte-order mark, else UTF-8)",
@@ -99,6 +100,7 @@ def add_encoding(p: argparse.ArgumentParser) -> None:
 
 
 def add_overwrite(p: argparse.ArgumentParser, what: str = "an existing --output") -> None:
+    """``--overwrite``: replace ``what`` (what the command wrote before, never an input)."""
     p.add_argument("--overwrite", action="store_true", help=f"replace {what}")
 
 
