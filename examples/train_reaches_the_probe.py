@@ -13,7 +13,8 @@ debates (each sentence and its speaker: 9 classes) — the rows are split once i
 The goal: the head within 0.02 of the probe on both corpora. ``--previous`` also trains with
 the defaults ``headkit train`` had before early stopping (10 epochs, lr 1e-3, no validation
 split), for comparison. The commands are printed as they would be typed; ``OUT/results.json``
-keeps the numbers. Exits 1 when a gap exceeds the goal. About 15 minutes on 2 CPU cores.
+keeps the numbers. Exits 1 when a gap exceeds the goal. About 40 minutes on 2 shared CPU
+cores with ``--previous`` (measured: docs/cli.md).
 
 Run: ``HF_HUB_OFFLINE=1 python examples/train_reaches_the_probe.py [--reviews 4000]
 [--previous] [--output runs/train_vs_probe]``
