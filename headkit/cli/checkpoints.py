@@ -8,7 +8,6 @@ length), so ``eval`` and ``predict`` need nothing else.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,23 +20,28 @@ CLI_SETTINGS = "headkit_cli.json"
 def save_checkpoint(
     model: HeadedModel, tokenizer: Any, out: str | Path, settings: dict[str, Any]
 ) -> Path:
-    """Write the model's checkpoint, its tokenizer and the CLI settings to ``out``."""
+    """Write the model's checkpoint, its tokenizer and the CLI settings to ``out`` (a new or
+    empty folder, or a checkpoint ``headkit train`` wrote: ``train.check_output``). The
+    checkpoint comes first, so a folder left by an interrupted run is a checkpoint that
+    ``--overwrite`` replaces."""
+    from .outputs import write_text
+
     out = Path(out)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    tmp = out / f"{CLI_SETTINGS}.tmp"
-    tmp.write_text(json.dumps(settings, indent=2) + "\n")
-    os.replace(tmp, out / CLI_SETTINGS)
+    write_text(out / CLI_SETTINGS, json.dumps(settings, indent=2) + "\n")
     return out
 
 
 def open_checkpoint(
     checkpoint: str | Path, model: HeadedModel | None = None
 ) -> tuple[HeadedModel, Any, dict[str, Any]]:
-    """The model (``model`` if given, else loaded), tokenizer and CLI settings of a folder."""
+    """The model (``model`` if given, else loaded), tokenizer and CLI settings of a folder.
+    The settings are read first: a corrupt ``headkit_cli.json`` is refused before loading."""
     from transformers import AutoTokenizer
 
     root = Path(checkpoint)
+    settings = read_settings(root)
     model = model or HeadedModel.from_pretrained(root)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
@@ -45,15 +49,40 @@ def open_checkpoint(
         raise ConfigError(
             f"CHECKPOINT={str(root)!r} holds no tokenizer ({e}); was it written by headkit train?"
         ) from None
-    settings_path = root / CLI_SETTINGS
-    if not settings_path.is_file():
-        return model.eval(), tokenizer, {}
-    try:
-        settings = json.loads(settings_path.read_text())
-    except ValueError as e:
-        raise ConfigError(
-            f"CHECKPOINT={str(root)!r}: {CLI_SETTINGS} is not valid JSON ({e})"
-        ) from None
-    if not isinstance(settings, dict):
-        raise ConfigError(f"CHECKPOINT={str(root)!r}: {CLI_SETTINGS} must hold a JSON object")
     return model.eval(), tokenizer, settings
+
+
+def read_settings(root: Path) -> dict[str, Any]:
+    """``headkit_cli.json`` of a checkpoint folder ({} when there is none), each known key
+    checked (unknown keys are kept: a later version may add some)."""
+    path = root / CLI_SETTINGS
+    if not path.is_file():
+        return {}
+    where = f"CHECKPOINT={str(root)!r}: {CLI_SETTINGS}"
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{where} must hold a JSON object")
+    checks = {
+        "text_column": (lambda v: isinstance(v, str), "a column name"),
+        "label_columns": (
+            lambda v: (
+                isinstance(v, dict)
+                and all(isinstance(k, str) and isinstance(c, str) for k, c in v.items())
+            ),
+            "a mapping {head target: column}",
+        ),
+        "max_length": (
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+            "an integer >= 1",
+        ),
+    }
+    for key, (ok, allowed) in checks.items():
+        if key in settings and not ok(settings[key]):
+            raise ConfigError(
+                f"{where}: {key}={settings[key]!r} is invalid; allowed: {allowed} (write the "
+                "file again with headkit train, or fix it by hand)"
+            )
+    return settings

@@ -4,8 +4,9 @@ Reads any of transformer-heads' saves (its plain save with ``config.json`` + ``o
 its LoRA save, or its heads-only save with ``--base``) through the one restore path and writes
 a headkit checkpoint (``head_configs.json`` + safetensors; a full save's backbone is copied, a
 LoRA save's base referenced). The checkpoint is written into a new folder beside ``OUT`` and
-renamed into place, so ``OUT`` never holds half a checkpoint; an existing ``OUT`` is replaced
-only with ``--overwrite``. Importing this module imports argparse only.
+renamed into place, so ``OUT`` never holds half a checkpoint; ``OUT`` may not be an input, an
+existing headkit checkpoint there is replaced only with ``--overwrite``, and a folder of other
+files is refused. Importing this module imports argparse only.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ def convert(
 ) -> Path:
     """Write the headkit checkpoint of the transformer-heads folder ``checkpoint`` to
     ``output`` (atomically: a sibling folder renamed into place); returns ``output``."""
+    from ..checkpoint import MANIFEST
     from ..checkpoint.transformer_heads import detect
     from ..loading import load_headed
     from ..model.headed import HeadedModel
+    from .outputs import check_output_folder, local_inputs
 
     src, out = Path(checkpoint), Path(output)
     layout = detect(src) if src.is_dir() else None
@@ -63,10 +66,14 @@ def convert(
             "of its kind, nor a config.json with output_heads); a headkit checkpoint needs no "
             "conversion"
         )
-    if out.exists() and not overwrite:
-        raise ConfigError(f"OUT={str(out)!r} exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"OUT={str(out)!r} is a file; a folder is written there")
+    check_output_folder(
+        out,
+        local_inputs(src, base),
+        overwrite,
+        ours=lambda folder: (folder / MANIFEST).is_file(),
+        what="a headkit checkpoint",
+        option="OUT",
+    )
     if layout == "heads" and base is None:
         raise ConfigError(
             f"CHECKPOINT={str(src)!r} holds heads only (no backbone); pass --base MODEL, the "

@@ -3,16 +3,28 @@
 Readable: CSV (``.csv``, ``.tsv``), JSON Lines (``.jsonl``, ``.ndjson``), JSON (``.json``, a list
 of objects), Parquet (``.parquet``, ``.pq``; needs pyarrow), a folder written by a
 ``datasets`` ``save_to_disk`` (needs datasets), and ``packaged:rotten_tomatoes`` (the packaged
-review snippets: columns ``text``, ``label``). CSV cells are strings; ``as_number`` and
-``as_class`` turn label cells into numbers where they look like numbers.
+review snippets: columns ``text``, ``label``), ``packaged:presidential_debates`` (sentences of
+the 2016 US presidential and vice-presidential debates: ``text``, ``label`` = the speaker, 9
+classes). CSV cells are strings; ``as_number`` and ``as_class`` turn label cells into numbers
+where they look like numbers.
+
+Text files are read as UTF-8, or by their byte-order mark (UTF-8, UTF-16, UTF-32), or in the
+``encoding`` given; a byte that does not decode is reported with its offset and the
+``--encoding`` option. A BOM never reaches the first column's name, CSV fields may be of any
+length, and a malformed file (a CSV row with more or fewer fields than the header, JSON nested
+deeper than Python can read, a corrupt Parquet file) is one ``ConfigError`` naming the file
+and the row.
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import csv
 import json
+import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +34,20 @@ FORMATS = (
     "CSV (.csv, .tsv), JSON Lines (.jsonl, .ndjson), JSON (.json), Parquet (.parquet, .pq), "
     "a datasets.save_to_disk folder, or packaged:rotten_tomatoes"
 )
-PACKAGED_DATA = ("packaged:rotten_tomatoes",)
+PACKAGED_DATA = ("packaged:rotten_tomatoes", "packaged:presidential_debates")
+#: Bytes decoded at a time while checking a file's encoding.
+_CHUNK = 1 << 20
+#: Largest CSV field (characters); the csv module's own default is 131,072.
+_FIELD_LIMIT = 2**31 - 1
+#: Row numbers named in one error (the rest are counted).
+_NAMED_ROWS = 10
 
 
-def read_rows(source: str | os.PathLike, limit: int | None = None) -> list[dict[str, Any]]:
-    """The rows of a data file as dicts (at most ``limit``)."""
+def read_rows(
+    source: str | os.PathLike, limit: int | None = None, encoding: str | None = None
+) -> list[dict[str, Any]]:
+    """The rows of a data file as dicts (at most ``limit``); text files are decoded with
+    ``encoding`` (default: from the byte-order mark, else UTF-8)."""
     name = str(source)
     if name.startswith("packaged:"):
         return _packaged(name, limit)
@@ -37,11 +58,11 @@ def read_rows(source: str | os.PathLike, limit: int | None = None) -> list[dict[
     if path.is_dir():
         rows = _datasets_dir(path, limit)
     elif suffix in (".csv", ".tsv"):
-        rows = _csv(path, "\t" if suffix == ".tsv" else ",", limit)
+        rows = _csv(path, "\t" if suffix == ".tsv" else ",", limit, text_encoding(path, encoding))
     elif suffix in (".jsonl", ".ndjson"):
-        rows = _jsonl(path, limit)
+        rows = _jsonl(path, limit, text_encoding(path, encoding))
     elif suffix == ".json":
-        rows = _json(path, limit)
+        rows = _json(path, limit, text_encoding(path, encoding))
     elif suffix in (".parquet", ".pq"):
         rows = _parquet(path, limit)
     else:
@@ -49,6 +70,61 @@ def read_rows(source: str | os.PathLike, limit: int | None = None) -> list[dict[
     if not rows:
         raise ConfigError(f"data file {name!r} holds no rows")
     return rows
+
+
+def text_encoding(path: Path, encoding: str | None = None) -> str:
+    """The codec ``path`` decodes with: ``encoding`` if given, else its byte-order mark's,
+    else UTF-8. The whole file is checked, so a bad byte is reported with its offset."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if encoding is not None:
+        try:
+            codec = codecs.lookup(encoding).name
+        except LookupError:
+            raise ConfigError(
+                f"--encoding={encoding!r} is not a known text encoding; e.g. utf-8, utf-16, "
+                "latin-1, cp1252"
+            ) from None
+        if codec == "utf-8" and head.startswith(codecs.BOM_UTF8):
+            codec = "utf-8-sig"  # the mark is not text
+        how = f"--encoding={encoding}"
+    else:
+        codec = _bom_codec(head)
+        how = "read as UTF-8: no byte-order mark" if codec == "utf-8" else f"read as {codec}"
+    _check_decodes(path, codec, how)
+    return codec
+
+
+def _bom_codec(head: bytes) -> str:
+    if head.startswith(codecs.BOM_UTF8):
+        return "utf-8-sig"
+    if head.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        return "utf-32"  # before UTF-16: the UTF-32 LE mark starts with UTF-16 LE's
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    return "utf-8"
+
+
+def _check_decodes(path: Path, codec: str, how: str) -> None:
+    decoder = codecs.getincrementaldecoder(codec)()
+    done = 0  # bytes fed to the decoder so far
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                at = done - pending + e.start
+                bad = e.object[e.start : e.start + 4]
+                raise ConfigError(
+                    f"data file {str(path)!r}: byte {at} ({bad!r}) does not decode ({how}); "
+                    "name the file's encoding with --encoding, e.g. --encoding latin-1 or "
+                    "--encoding cp1252"
+                ) from None
+            if not chunk:
+                return
+            done += len(chunk)
 
 
 def columns_of(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -73,6 +149,30 @@ def require_columns(
             raise ConfigError(
                 f"{option}={column!r}: row {missing} of {source} has no value in that column"
             )
+
+
+def require_labels(
+    rows: Sequence[Mapping[str, Any]], wanted: Mapping[str, str], source: str
+) -> None:
+    """Raise ConfigError naming the option, the column and the row numbers (0-based) of empty
+    label cells (missing, blank text or NaN): an empty cell is no class, and no value."""
+    for option, column in wanted.items():
+        empty = [i for i, r in enumerate(rows) if _empty(r.get(column))]
+        if empty:
+            shown = ", ".join(map(str, empty[:_NAMED_ROWS]))
+            more = f" and {len(empty) - _NAMED_ROWS} more" if len(empty) > _NAMED_ROWS else ""
+            raise ConfigError(
+                f"{option}={column!r}: {len(empty)} row(s) of {source} have an empty label "
+                f"(rows {shown}{more}, counted from 0); fill them in or remove those rows"
+            )
+
+
+def _empty(cell: Any) -> bool:
+    if cell is None:
+        return True
+    if isinstance(cell, str):
+        return not cell.strip()
+    return isinstance(cell, float) and math.isnan(cell)
 
 
 def as_number(value: Any, column: str, row: int) -> float | list:
@@ -112,47 +212,85 @@ def as_list(value: Any, column: str, row: int) -> list:
 
 
 def write_rows(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]]) -> Path:
-    """Write rows as CSV (``.csv``/``.tsv``; list cells as JSON) or JSON Lines (``.jsonl``)."""
+    """Write rows as CSV (``.csv``/``.tsv``; list cells as JSON) or JSON Lines (``.jsonl``),
+    atomically (``outputs.write_file``: a fresh exclusive name, then renamed)."""
+    from .outputs import write_file
+
     out = Path(path)
     suffix = out.suffix.lower()
-    if suffix not in (".csv", ".tsv", ".jsonl", ".ndjson"):
+    if suffix not in OUTPUT_SUFFIXES:
         raise ConfigError(
             f"--output={str(path)!r}: unknown format {suffix!r}; allowed: .csv, .tsv, .jsonl"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        if suffix in (".jsonl", ".ndjson"):
-            for r in rows:
-                f.write(json.dumps(dict(r), ensure_ascii=False) + "\n")
-        else:
-            writer = csv.DictWriter(
-                f, fieldnames=columns_of(rows), delimiter="\t" if suffix == ".tsv" else ","
-            )
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({k: _csv_cell(v) for k, v in r.items()})
-    os.replace(tmp, out)
-    return out
+    return write_file(out, lambda f: write_table(f, rows, suffix))
+
+
+#: Suffixes ``write_rows`` writes.
+OUTPUT_SUFFIXES = (".csv", ".tsv", ".jsonl", ".ndjson")
+
+
+def write_table(f: Any, rows: Sequence[Mapping[str, Any]], suffix: str = ".csv") -> None:
+    """Rows to an open text stream as CSV, TSV or JSON Lines (by ``suffix``)."""
+    if suffix in (".jsonl", ".ndjson"):
+        for r in rows:
+            f.write(json.dumps(dict(r), ensure_ascii=False) + "\n")
+        return
+    writer = csv.DictWriter(
+        f, fieldnames=columns_of(rows), delimiter="\t" if suffix == ".tsv" else ","
+    )
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: _csv_cell(v) for k, v in r.items()})
 
 
 # ---------------------------------------------------------------------- readers
-def _csv(path: Path, delimiter: str, limit: int | None) -> list[dict]:
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f, delimiter=delimiter)
-        return _take(reader, limit)
+@contextlib.contextmanager
+def _any_field_size() -> Iterator[None]:
+    """CSV fields of any length while reading (the csv module's limit is process-wide: it
+    is put back on the way out)."""
+    before = csv.field_size_limit(_FIELD_LIMIT)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(before)
 
 
-def _jsonl(path: Path, limit: int | None) -> list[dict]:
+def _csv(path: Path, delimiter: str, limit: int | None, encoding: str) -> list[dict]:
+    rows: list[dict] = []
+    with _any_field_size(), open(path, newline="", encoding=encoding) as f:
+        reader = csv.reader(f, delimiter=delimiter, strict=True)
+        try:
+            header = next(reader, None)
+            if header is None:
+                return rows
+            header[0] = header[0].removeprefix("\ufeff")  # a BOM the codec did not take
+            twice = sorted({c for c in header if header.count(c) > 1})
+            if twice:
+                raise ConfigError(f"{path}: the header names column(s) {twice} more than once")
+            for cells in reader:
+                if not cells:
+                    continue  # a blank line
+                if len(cells) != len(header):
+                    raise ConfigError(
+                        f"{path}: row {len(rows)} (line {reader.line_num}) has {len(cells)} "
+                        f"fields but the header has {len(header)} ({', '.join(header)}); quote "
+                        "fields that hold the delimiter"
+                    )
+                rows.append(dict(zip(header, cells)))
+                if limit is not None and len(rows) >= limit:
+                    break
+        except csv.Error as e:
+            raise ConfigError(f"{path}: line {reader.line_num} is not valid CSV ({e})") from None
+    return rows
+
+
+def _jsonl(path: Path, limit: int | None, encoding: str) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding=encoding) as f:
         for i, line in enumerate(f):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}: line {i + 1} is not valid JSON ({e})") from None
+            row = _parse_json(line, f"{path}: line {i + 1}")
             if not isinstance(row, dict):
                 raise ConfigError(f"{path}: line {i + 1} is not a JSON object")
             rows.append(row)
@@ -161,27 +299,40 @@ def _jsonl(path: Path, limit: int | None) -> list[dict]:
     return rows
 
 
-def _json(path: Path, limit: int | None) -> list[dict]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+def _json(path: Path, limit: int | None, encoding: str) -> list[dict]:
+    data = _parse_json(path.read_text(encoding=encoding), f"{path}")
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ConfigError(f"{path}: a .json data file must hold a list of objects")
     return data[:limit] if limit is not None else data
 
 
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(
+            f"{where}: JSON nested deeper than Python's recursion limit; flatten the data"
+        ) from None
+
+
 def _parquet(path: Path, limit: int | None) -> list[dict]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError(
             f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or headkit[data])"
         ) from None
-    table = pq.read_table(path)
-    if limit is not None:
-        table = table.slice(0, limit)
-    return table.to_pylist()
+    try:
+        table = pq.read_table(path)
+        if limit is not None:
+            table = table.slice(0, limit)
+        return table.to_pylist()
+    except (pa.ArrowException, OSError, ValueError) as e:
+        message = " ".join(str(e).split())
+        raise ConfigError(f"{path}: not a readable Parquet file ({message})") from None
 
 
 def _datasets_dir(path: Path, limit: int | None) -> list[dict]:
@@ -211,20 +362,15 @@ def _datasets_dir(path: Path, limit: int | None) -> list[dict]:
 
 
 def _packaged(name: str, limit: int | None) -> list[dict]:
-    if name != "packaged:rotten_tomatoes":
+    from .. import packaged
+
+    corpora = {
+        "packaged:rotten_tomatoes": packaged.rotten_tomatoes,
+        "packaged:presidential_debates": packaged.presidential_debates,
+    }
+    if name not in corpora:
         raise ConfigError(f"data={name!r} is unknown; allowed: {', '.join(PACKAGED_DATA)}")
-    from ..packaged import rotten_tomatoes
-
-    return [{"text": t, "label": y} for t, y in rotten_tomatoes(limit=limit)]
-
-
-def _take(rows: Iterable[dict], limit: int | None) -> list[dict]:
-    out = []
-    for r in rows:
-        out.append(dict(r))
-        if limit is not None and len(out) >= limit:
-            break
-    return out
+    return [{"text": t, "label": y} for t, y in corpora[name](limit=limit)]
 
 
 def _json_cell(text: str, column: str, row: int) -> Any:

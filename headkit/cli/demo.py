@@ -47,9 +47,17 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
     from ..packaged import rotten_tomatoes
     from ..probe.sweep import probe_layers
     from .datafiles import read_rows, write_rows
+    from .outputs import check_output_folder
     from .predict import run_predict
     from .train import load_train_config, run_train
 
+    check_output_folder(
+        out,
+        [],
+        overwrite=True,  # the demo's own files, from an earlier run
+        ours=lambda folder: (folder / "train.yaml").is_file(),
+        what="an earlier headkit demo's output",
+    )
     start = time.perf_counter()
     rows = rotten_tomatoes(limit=examples, seed=0)
     texts = [t for t, _ in rows]
@@ -81,33 +89,18 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
     table = [{"text": t, "label": y} for t, y in zip(texts, labels)]
     write_rows(out / "train.csv", [r for i, r in enumerate(table) if i not in held_out])
     write_rows(out / "test.csv", [r for i, r in enumerate(table) if i in held_out])
-    config = {
-        "model": "packaged:minilm",
-        "heads": [
-            {
-                "name": "sentiment",
-                "layer_hook": best.layer,
-                "pred_for_sequence": True,
-                "pooling": "mean",
-                "output_bias": True,
-            }
-        ],
-        "data": {
-            "train": "train.csv",
-            "eval": "test.csv",
-            "text_column": "text",
-            "label_columns": {"sentiment": "label"},
-        },
-        "training": {"epochs": 20, "batch_size": 32, "lr": 3e-3, "seed": 0},
-        "output": "sentiment",
-    }
+    config = _train_config(best.layer)
     (out / "train.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    trained = run_train(load_train_config(out / "train.yaml"), progress=progress)
+    trained = run_train(load_train_config(out / "train.yaml"), progress=progress, overwrite=True)
     accuracy = trained["metrics"]["sentiment"]["accuracy"]
 
     print(f"\n[3/3] held-out predictions (headkit predict -> {out / 'predictions.csv'})")
     predictions = run_predict(
-        out / "sentiment", str(out / "test.csv"), out / "predictions.csv", progress=progress
+        out / "sentiment",
+        str(out / "test.csv"),
+        out / "predictions.csv",
+        progress=progress,
+        overwrite=True,
     )
     for r in read_rows(predictions, limit=3):
         print(f"  {r['sentiment']:<6} p={float(r['sentiment_prob']):.2f}  {r['text'][:70]}")
@@ -124,3 +117,27 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
         f"(checkpoint), predictions.csv; {elapsed:.0f} s in all"
     )
     return {"probe": best.score, "head": accuracy, "baseline": results.baseline, "seconds": elapsed}
+
+
+def _train_config(layer: int) -> dict:
+    """The demo's train config: a sentiment head on ``layer``, training at the defaults."""
+    return {
+        "model": "packaged:minilm",
+        "heads": [
+            {
+                "name": "sentiment",
+                "layer_hook": layer,
+                "pred_for_sequence": True,
+                "pooling": "mean",
+                "output_bias": True,
+            }
+        ],
+        "data": {
+            "train": "train.csv",
+            "eval": "test.csv",
+            "text_column": "text",
+            "label_columns": {"sentiment": "label"},
+        },
+        "training": {"batch_size": 32, "seed": 0},  # epochs, lr: the defaults
+        "output": "sentiment",
+    }

@@ -1,7 +1,9 @@
 """``headkit eval CHECKPOINT --data FILE``: per-head metrics of a checkpoint on a data file.
 
 Columns default to those used in training (``headkit_cli.json`` in the checkpoint folder).
-Importing this module imports argparse only; ``run`` imports the rest.
+``--output`` is checked before the model is loaded (not an input; an existing file only with
+``--overwrite``) and written atomically. Importing this module imports argparse only; ``run``
+imports the rest.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .options import DATA_HELP, add_batching, key_value
+from .options import DATA_HELP, add_batching, add_encoding, add_overwrite, key_value
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
@@ -36,10 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="default: the ones used in training (repeatable)",
     )
     p.add_argument("--output", help="also write the metrics to this JSON file")
+    add_overwrite(p)
+    add_encoding(p)
     add_batching(p)
 
 
 def run(args: argparse.Namespace) -> None:
+    from .outputs import check_output_file, local_inputs, write_text
+
+    if args.output:
+        check_output_file(args.output, local_inputs(args.data, args.checkpoint), args.overwrite)
     labels = dict(args.label_column) if args.label_column else None
     metrics = run_eval(
         args.checkpoint,
@@ -49,10 +57,11 @@ def run(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         limit=args.limit,
         progress=not args.quiet,
+        encoding=args.encoding,
     )
     print(metrics_table(metrics))
     if args.output:
-        Path(args.output).write_text(json.dumps(metrics, indent=2) + "\n")
+        write_text(args.output, json.dumps(metrics, indent=2) + "\n")
         print(f"wrote {args.output}")
 
 
@@ -65,11 +74,12 @@ def run_eval(
     limit: int | None = None,
     progress: bool = True,
     model: HeadedModel | None = None,
+    encoding: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-head metrics of a checkpoint on a data file (columns default to training's)."""
     from ..metrics import evaluate_head_wise
     from .checkpoints import open_checkpoint
-    from .datafiles import read_rows, require_columns
+    from .datafiles import read_rows, require_columns, require_labels
     from .rows import encode_rows
 
     model, tokenizer, settings = open_checkpoint(checkpoint, model)
@@ -79,10 +89,10 @@ def run_eval(
         raise ConfigError(
             "--label-column is needed: the checkpoint does not name its label columns"
         )
-    rows = read_rows(data, limit)
-    wanted = {"--text-column": text_column}
-    wanted.update({f"--label-column {t}": c for t, c in label_columns.items()})
-    require_columns(rows, wanted, data)
+    rows = read_rows(data, limit, encoding)
+    labelled = {f"--label-column {t}": c for t, c in label_columns.items()}
+    require_columns(rows, {"--text-column": text_column, **labelled}, data)
+    require_labels(rows, labelled, data)
     configs = list(model.head_configs.values())
     max_length = settings.get("max_length", 128)
     examples, _ = encode_rows(rows, tokenizer, configs, text_column, label_columns, max_length)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import add_quiet
+from .options import add_overwrite, add_quiet
 
 HELP = "export a checkpoint as ONNX (every head) or a plain transformers classifier (one head)"
 EXAMPLE = """example:
@@ -23,7 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format", choices=("onnx", "transformers"), default="onnx", help="default onnx"
     )
-    p.add_argument("--output", required=True, help="the folder to write")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="the folder to write: new, empty, or an earlier export of the same format",
+    )
+    add_overwrite(p, "an earlier export in --output")
     p.add_argument(
         "--head",
         action="append",
@@ -40,6 +45,7 @@ def run(args: argparse.Namespace) -> None:
     from ..deploy import export
     from ..errors import ConfigError
 
+    check_export_folder(args)
     options: dict = {"atol": args.atol}
     if args.format == "onnx":
         options.update(heads=args.head, opset=args.opset)
@@ -59,6 +65,23 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"wrote {result.directory} ({result.model_class}, loads with {result.auto_class}; max "
         f"|difference| from head {result.head!r}: {result.max_abs_diff:.2g})"
+    )
+
+
+def check_export_folder(args: argparse.Namespace) -> None:
+    """Refuse --output before the checkpoint is loaded: the checkpoint itself, a folder of
+    other files (named), or an earlier export without --overwrite."""
+    from ..integrations.hf_classifiers import SIDECAR as TRANSFORMERS_SIDECAR
+    from ..integrations.onnx import SIDECAR as ONNX_SIDECAR
+    from .outputs import check_output_folder, local_inputs
+
+    sidecar = ONNX_SIDECAR if args.format == "onnx" else TRANSFORMERS_SIDECAR
+    check_output_folder(
+        args.output,
+        local_inputs(args.checkpoint),
+        args.overwrite,
+        ours=lambda folder: (folder / sidecar).is_file(),
+        what=f"an earlier {args.format} export",
     )
 
 

@@ -36,6 +36,7 @@ _OPTIONS = {
     "pooling=": "--pooling",
     "task=": "--task",
     "val_splits=": "--val-splits",
+    "l2=": "--l2",
     "model=": "--model",
     "data=": "--data",
     "data file": "--data",
@@ -76,9 +77,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Options whose values may start with "-" (``--layers -4:``): argparse would read such a
+#: value as an option, so it is joined to its option (``--layers=-4:``) before parsing.
+_DASH_VALUES = ("--layers",)
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _DASH_VALUES and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; return its exit status (2 for bad arguments or inputs)."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_join_dash_values(argv))
     try:
         with _progress_bars(not getattr(args, "quiet", False)):
             args.run(args)
@@ -100,20 +119,33 @@ def _has(args: argparse.Namespace, option: str) -> bool:
 
 @contextlib.contextmanager
 def _progress_bars(shown: bool) -> Iterator[None]:
-    """With ``shown=False``, transformers' and huggingface_hub's own bars (``Loading
-    weights``) are off while the command runs, then as they were (``main`` may run in a
-    process that keeps going, e.g. a test or a notebook)."""
+    """With ``shown=False`` (``--quiet``), transformers' and huggingface_hub's own bars
+    (``Loading weights``) are off while the command runs, their logging (load reports,
+    advice) shows errors only and their Python warnings none; then all is as it was
+    (``main`` may run in a process that keeps going, e.g. a test or a notebook)."""
     if shown:
         yield
         return
+    import logging as std_logging
+    import warnings
+
     from huggingface_hub import utils as hub
     from transformers.utils import logging
 
     were_shown, hub_off = logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
+    verbosity = logging.get_verbosity()
+    hub_logger = std_logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
     logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    hub_logger.setLevel(std_logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"(transformers|huggingface_hub)(\.|$)")
+            yield
     finally:
+        logging.set_verbosity(verbosity)
+        hub_logger.setLevel(hub_level)
         if were_shown:
             logging.enable_progress_bar()  # turns huggingface_hub's on as well
         (hub.disable_progress_bars if hub_off else hub.enable_progress_bars)()

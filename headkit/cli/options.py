@@ -10,7 +10,12 @@ import argparse
 import json
 from typing import Any
 
-DATA_HELP = "CSV, JSONL, JSON, Parquet, a saved dataset folder or packaged:rotten_tomatoes"
+DATA_HELP = (
+    "CSV, JSONL, JSON, Parquet, a saved dataset folder, packaged:rotten_tomatoes or "
+    "packaged:presidential_debates"
+)
+#: dtype names ``from_pretrained`` takes as ``torch_dtype`` / ``dtype``.
+DTYPES = ("auto", "bfloat16", "float16", "float32", "float64", "half", "float", "double")
 
 
 def positive(text: str) -> int:
@@ -34,14 +39,19 @@ def fraction(text: str) -> float:
 
 
 def floats(text: str) -> list[float]:
+    """Comma-separated L2 penalties, each finite and > 0 (the probe's rule:
+    ``probe.fit.check_penalties``)."""
+    from ..errors import ConfigError
+    from ..probe.fit import check_penalties
+
     try:
         values = [float(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or any(v <= 0 for v in values):
+        check_penalties(values)
+    except (ValueError, ConfigError):
         raise argparse.ArgumentTypeError(
-            f"invalid value {text!r}; allowed: comma-separated numbers > 0 (e.g. 1e-3,1e-2,0.1)"
-        )
+            f"invalid value {text!r}; allowed: comma-separated finite numbers > 0 "
+            "(e.g. 1e-3,1e-2,0.1)"
+        ) from None
     return values
 
 
@@ -69,6 +79,29 @@ def layers(text: str) -> str:
             "('0,3,6'; 0 = embeddings, -1 = last) or slices ('-4:', '1:5')"
         ) from None
     return text
+
+
+def check_model_kwargs(kwargs: dict[str, Any], where: str = "--model-kwarg") -> None:
+    """Refuse a dtype that is not a name ``from_pretrained`` knows (before any loading)."""
+    from ..errors import ConfigError
+
+    for key in ("torch_dtype", "dtype"):
+        value = kwargs.get(key)
+        if value is not None and value not in DTYPES:
+            raise ConfigError(f"{where} {key}={value!r} is invalid; allowed: {', '.join(DTYPES)}")
+
+
+def add_encoding(p: argparse.ArgumentParser) -> None:
+    """``--encoding``: the text encoding of the data files a command reads."""
+    p.add_argument(
+        "--encoding",
+        help="text encoding of the data files (default: from the byte-order mark, else UTF-8)",
+    )
+
+
+def add_overwrite(p: argparse.ArgumentParser, what: str = "an existing --output") -> None:
+    """``--overwrite``: replace ``what`` (what the command wrote before, never an input)."""
+    p.add_argument("--overwrite", action="store_true", help=f"replace {what}")
 
 
 def poolings(text: str) -> str:

@@ -1,31 +1,44 @@
-"""``headkit predict CHECKPOINT --data FILE --output FILE``: every head's predictions.
+"""``headkit predict CHECKPOINT --data FILE [--output FILE]``: every head's predictions.
 
-One output row per input: the text and, per head, the class and ``<head>_prob`` for
+One output row per input: ``row`` (the input's row number, from 0), the text (in a file) and,
+per head, the class, ``<head>_prob`` and ``<head>_prob_<class>`` for each class for
 classifiers, the 0/1 decision and ``<head>_prob`` for binary heads, the value for regressors
-(token heads: a list per word). CSV, TSV or JSON Lines by the output's suffix. Importing this
-module imports argparse only; ``run`` imports the rest.
+(token heads: a list per word). CSV, TSV or JSON Lines by the output's suffix; without
+``--output``, CSV on standard output (without the text column) and nothing else there. The
+output is checked before the model is loaded: it may not be an input, and an existing file is
+replaced only with ``--overwrite``. Importing this module imports argparse only; ``run``
+imports the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from .options import DATA_HELP, add_batching
+from ..errors import ConfigError
+from .options import DATA_HELP, add_batching, add_encoding, add_overwrite
 
-HELP = "write every head's predictions for a data file"
+HELP = "write every head's predictions for a data file (a file, or CSV on standard output)"
 EXAMPLE = """example:
   headkit predict runs/sentiment --data new.csv --output predictions.csv
-writes the text and one column per head: the class and <head>_prob for classifiers,
-the 0/1 decision and <head>_prob for binary heads, the value for regressors
-(JSONL when --output ends in .jsonl)"""
+  headkit predict runs/sentiment --data new.csv --quiet > predictions.csv
+writes the row number and one column per head: the class, <head>_prob and
+<head>_prob_<class> per class for classifiers, the 0/1 decision and <head>_prob for binary
+heads, the value for regressors (JSONL when --output ends in .jsonl; a file also gets the
+text column)"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument("--data", required=True, help=DATA_HELP)
-    p.add_argument("--output", required=True, help="predictions file: .csv, .tsv or .jsonl")
+    p.add_argument(
+        "--output",
+        help="predictions file: .csv, .tsv or .jsonl (default: CSV on standard output)",
+    )
+    add_overwrite(p)
     p.add_argument("--text-column", help="default: the one used in training")
+    add_encoding(p)
     add_batching(p)
 
 
@@ -38,38 +51,75 @@ def run(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         limit=args.limit,
         progress=not args.quiet,
+        overwrite=args.overwrite,
+        encoding=args.encoding,
     )
-    print(f"wrote {out}")
+    if out is not None:
+        print(f"wrote {out}")
 
 
 def run_predict(
     checkpoint: str | Path,
     data: str,
-    output: str | Path,
+    output: str | Path | None = None,
     text_column: str | None = None,
     batch_size: int = 32,
     limit: int | None = None,
     progress: bool = True,
-) -> Path:
-    """Write one row per input: the text and, per head, its class and probability or value."""
+    overwrite: bool = False,
+    encoding: str | None = None,
+) -> Path | None:
+    """Write one row per input (see the module docstring) to ``output``, or as CSV to
+    standard output when it is None; returns the file written (None for standard output)."""
+    from .datafiles import OUTPUT_SUFFIXES, read_rows, write_rows, write_table
+    from .outputs import check_output_file, local_inputs
+
+    if output is not None:
+        check_output_file(output, local_inputs(data, checkpoint), overwrite)
+        if Path(output).suffix.lower() not in OUTPUT_SUFFIXES:
+            raise ConfigError(
+                f"--output={str(output)!r}: unknown format {Path(output).suffix!r}; allowed: "
+                ".csv, .tsv, .jsonl"
+            )
+    rows = read_rows(data, limit, encoding)
+    with_text = output is not None
+    out_rows = _predictions(checkpoint, rows, data, text_column, batch_size, progress, with_text)
+    if output is None:
+        write_table(sys.stdout, out_rows)
+        sys.stdout.flush()
+        return None
+    return write_rows(output, out_rows)
+
+
+def _predictions(
+    checkpoint: str | Path,
+    rows: list[dict],
+    data: str,
+    text_column: str | None,
+    batch_size: int,
+    progress: bool,
+    with_text: bool,
+) -> list[dict]:
     import torch
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     from ..data.collator import HeadedCollator
     from .checkpoints import open_checkpoint
-    from .datafiles import read_rows, require_columns, write_rows
+    from .datafiles import require_columns
     from .rows import encode_rows, readable
 
     model, tokenizer, settings = open_checkpoint(checkpoint)
     text_column = text_column or settings.get("text_column", "text")
-    rows = read_rows(data, limit)
     require_columns(rows, {"--text-column": text_column}, data)
     configs = list(model.head_configs.values())
     max_length = settings.get("max_length", 128)
     examples, word_index = encode_rows(rows, tokenizer, configs, text_column, None, max_length)
     loader = DataLoader(examples, batch_size=batch_size, collate_fn=HeadedCollator(model))
-    out_rows = [{text_column: r[text_column]} for r in rows]
+    out_rows = [
+        {"row": i, **({text_column: r[text_column]} if with_text else {})}
+        for i, r in enumerate(rows)
+    ]
     done = 0
     with torch.no_grad():
         for batch in tqdm(loader, desc="predict", disable=not progress):
@@ -82,4 +132,4 @@ def run_predict(
                         p = p[[j for j, w in enumerate(word_index[done + i]) if w >= 0]]
                     row.update(readable(name, cfg, p))
             done += batch["input_ids"].shape[0]
-    return write_rows(output, out_rows)
+    return out_rows

@@ -1,13 +1,16 @@
 """``headkit probe``: one linear probe per layer, held-out score against depth.
 
-Reads texts and labels from a data file, runs ``probe_layers`` and writes
-``DIR/probe_results.json`` and ``DIR/probe_results.png`` (docs/probing.md). Importing this
-module imports argparse only; ``run`` imports the rest.
+Reads texts and labels from a data file (and, with ``--test-data``, the test split to score
+on from another), runs ``probe_layers`` and writes ``DIR/probe_results.json`` and
+``DIR/probe_results.png`` (docs/probing.md); existing results are replaced only with
+``--overwrite``, checked before the model is loaded. Importing this module imports argparse
+only; ``run`` imports the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +19,8 @@ from ..errors import ConfigError
 from .options import (
     DATA_HELP,
     add_batching,
+    add_encoding,
+    add_overwrite,
     floats,
     fraction,
     key_value,
@@ -33,13 +38,23 @@ EXAMPLE = """example:
       --label-column label --layers all --pooling mean,first --control --val-splits 3 \\
       --output runs/probe
   headkit probe --model ./my-bert --data pos.jsonl --task token --layers -4: --output runs/pos
-writes DIR/probe_results.json (held-out "accuracy" or "r2" per layer) and DIR/probe_results.png"""
+  headkit probe --model packaged:minilm --data train.csv --test-data test.csv --output runs/p
+writes DIR/probe_results.json (held-out "accuracy" or "r2" per layer) and DIR/probe_results.png;
+with --test-data the probes are scored on that file (validation still comes from --data)"""
+
+#: The files ``headkit probe`` writes into its output folder.
+RESULT_FILES = ("probe_results.json", "probe_results.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--model", required=True, help="path, hub id, packaged:minilm or packaged:smollm2")
     add("--data", required=True, help=DATA_HELP)
+    add(
+        "--test-data",
+        help="score on this file (an official test split; same columns) instead of holding "
+        "out --test-fraction of --data",
+    )
     add("--text-column", default="text", help="default: text (token task: the words)")
     add("--label-column", default="label", help="default: label (token task: one per word)")
     add("--task", default="classification", choices=("classification", "regression", "token"))
@@ -54,9 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="random validation splits to average over (default 3)",
     )
     add("--seed", type=int, default=0, help="seed of the held-out split (default 0)")
-    add("--test-fraction", type=fraction, default=0.2, help="held-out share (default 0.2)")
+    add(
+        "--test-fraction",
+        type=fraction,
+        help="held-out share of --data (default 0.2; not with --test-data)",
+    )
     add("--l2", type=floats, help="L2 penalties chosen from on validation (default 1e-4..1)")
     add("--output", required=True, help="folder for probe_results.json and .png")
+    add_overwrite(p, "existing probe results in --output")
+    add_encoding(p)
     add_batching(p)
     add(
         "--model-kwarg",
@@ -69,23 +90,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ..data.encoding import as_class
     from ..probe.sweep import probe_layers
-    from .datafiles import as_list, as_number, read_rows, require_columns
+    from .options import check_model_kwargs
+    from .outputs import local_inputs
 
-    rows = read_rows(args.data, args.limit)
-    wanted = {"--text-column": args.text_column, "--label-column": args.label_column}
-    require_columns(rows, wanted, args.data)
-    tc, lc = args.text_column, args.label_column
-    if args.task == "token":
-        texts = [as_list(r[tc], tc, i) for i, r in enumerate(rows)]
-        labels = [[as_class(v) for v in as_list(r[lc], lc, i)] for i, r in enumerate(rows)]
-    else:
-        texts = [str(r[tc]) for r in rows]
-        if args.task == "classification":
-            labels = [as_class(r[lc]) for r in rows]
-        else:
-            labels = [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
+    if args.test_data is not None and args.test_fraction is not None:
+        raise ConfigError(
+            "--test-fraction holds out part of --data, --test-data gives the test split; "
+            "pass one of them"
+        )
+    out = check_results_folder(
+        args.output, local_inputs(args.data, args.test_data, args.model), args.overwrite
+    )
+    check_model_kwargs(dict(args.model_kwarg))
+    texts, labels = read_examples(args, args.data)
+    test: dict = {}
+    if args.test_data is not None:
+        try:
+            test_texts, test_labels = read_examples(args, args.test_data)
+        except ConfigError as e:  # named as --test-data's (main reports "data file" as --data)
+            raise ConfigError(f"--test-data={args.test_data!r}: {e}") from None
+        test = {"test_inputs": test_texts, "test_labels": test_labels}
     options = {"l2": args.l2} if args.l2 else {}
     results = probe_layers(
         args.model,
@@ -96,25 +121,75 @@ def run(args: argparse.Namespace) -> None:
         task=args.task,
         control=args.control,
         seed=args.seed,
-        test_fraction=args.test_fraction,
+        test_fraction=args.test_fraction or 0.2,
         max_length=args.max_length,
         batch_size=args.batch_size,
         progress=not args.quiet,
         model_kwargs=dict(args.model_kwarg),
         val_splits=args.val_splits,
+        **test,
         **options,
     )
     print(results.table())
-    write_results(results, Path(args.output))
+    write_results(results, out)
+
+
+def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
+    """(inputs, labels) of a data file by the task: texts and classes, numbers or per-word
+    labels; empty label cells are refused with their row numbers."""
+    from ..data.encoding import as_class
+    from .datafiles import as_list, as_number, read_rows, require_columns, require_labels
+
+    rows = read_rows(source, args.limit, args.encoding)
+    tc, lc = args.text_column, args.label_column
+    require_columns(rows, {"--text-column": tc, "--label-column": lc}, source)
+    require_labels(rows, {"--label-column": lc}, source)
+    if args.task == "token":
+        texts = [as_list(r[tc], tc, i) for i, r in enumerate(rows)]
+        labels = [[as_class(v) for v in as_list(r[lc], lc, i)] for i, r in enumerate(rows)]
+    else:
+        texts = [str(r[tc]) for r in rows]
+        if args.task == "classification":
+            labels = [as_class(r[lc]) for r in rows]
+        else:
+            labels = [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
+    return texts, labels
+
+
+def check_results_folder(output: str, inputs: list[Path], overwrite: bool) -> Path:
+    """The output folder, refused before any work when it is an input or a file, or holds
+    results already (without ``overwrite``)."""
+    from .outputs import check_output_file
+
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output={output!r} is a file; a folder is written there")
+    for name in RESULT_FILES:
+        if (out / name).exists() and not overwrite:
+            raise ConfigError(
+                f"--output={output!r} holds {name} already; pass --overwrite to replace it"
+            )
+        check_output_file(out / name, inputs, overwrite)
+    for source in inputs:
+        if source.exists() and out.exists() and os.path.samefile(out, source):
+            raise ConfigError(f"--output={output!r} is the input {str(source)!r}; write elsewhere")
+    return out
 
 
 def write_results(results: ProbeResults, out: Path) -> None:
-    """``out/probe_results.json`` and, where matplotlib is installed, ``.png``."""
+    """``out/probe_results.json`` and, where matplotlib is installed, ``.png``, each written
+    under a fresh name and renamed into place."""
+    from .outputs import fresh_file, write_text
+
     out.mkdir(parents=True, exist_ok=True)
-    results.to_json(out / "probe_results.json")
-    written = [str(out / "probe_results.json")]
+    json_path, png_path = (out / name for name in RESULT_FILES)
+    write_text(json_path, results.to_json() + "\n")
+    written = [str(json_path)]
     try:
-        written.append(str(results.plot(out / "probe_results.png")))
+        with fresh_file(png_path, suffix=".png") as tmp:
+            results.plot(tmp)
+            os.replace(tmp, png_path)
+        written.append(str(png_path))
     except ConfigError as e:  # matplotlib missing: the JSON is still there
         print(f"headkit: no plot ({e})", file=sys.stderr)
     print(f"wrote {' and '.join(written)}")

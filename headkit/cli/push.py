@@ -40,6 +40,16 @@ def run(args: argparse.Namespace) -> None:
 
     if args.output and not args.dry_run:
         raise ConfigError("--output is where --dry-run writes the staged folder; add --dry-run")
+    if args.output:
+        from .outputs import check_output_folder, local_inputs
+
+        check_output_folder(
+            args.output,
+            local_inputs(args.checkpoint),
+            overwrite=False,
+            ours=lambda folder: False,
+            what="a staged folder (--output must be new or empty)",
+        )
     result = push_to_hub(
         args.checkpoint,
         args.repo_id,

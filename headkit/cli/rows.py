@@ -129,8 +129,9 @@ def readable(name: str, cfg: HeadConfig, p: torch.Tensor) -> dict[str, Any]:
     """Output cells of one input: ``p`` is (num_outputs,) for a sequence head and
     (words, num_outputs) for a token head (one list entry per word).
 
-    Classifiers give the class and its softmax probability, binary heads the 0/1 decision at
-    the loss's threshold and the probability, regressors the value(s).
+    Classifiers give the class and its softmax probability (sequence heads also every class's,
+    as ``<name>_prob_<class>``), binary heads the 0/1 decision at the loss's threshold and the
+    probability, regressors the value(s).
     """
     task = cfg.task
     if task == "regression":
@@ -144,6 +145,12 @@ def readable(name: str, cfg: HeadConfig, p: torch.Tensor) -> dict[str, Any]:
             decision, prob = decision[..., 0], prob[..., 0]
         return {name: decision.long().tolist(), f"{name}_prob": prob.tolist()}
     classes = cfg.extra.get("classes") or list(range(p.shape[-1]))
-    top, index = torch.softmax(p.float(), -1).max(-1)
+    probs = torch.softmax(p.float(), -1)
+    top, index = probs.max(-1)
     names = [classes[i] if i < len(classes) else i for i in index.reshape(-1).tolist()]
-    return {name: names[0] if p.dim() == 1 else names, f"{name}_prob": top.tolist()}
+    if p.dim() > 1:  # a token head: one class and probability per word
+        return {name: names, f"{name}_prob": top.tolist()}
+    cells = {name: names[0], f"{name}_prob": top.item()}
+    for i, q in enumerate(probs.tolist()):
+        cells[f"{name}_prob_{classes[i] if i < len(classes) else i}"] = q
+    return cells

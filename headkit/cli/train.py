@@ -1,63 +1,71 @@
 """``headkit train CONFIG.yaml``: train heads from a YAML config; writes a checkpoint folder.
 
 The config names the backbone, the heads (HeadConfig fields), the data files and columns,
-the training settings and the output folder (keys: docs/cli.md). With a frozen backbone the
-heads train on cached features (one backbone pass); otherwise plain AdamW epochs run through
-the whole model. Importing this module imports argparse only; ``run`` imports the rest.
+the training settings and the output folder (keys: docs/cli.md; the schema and the safe YAML
+loader: ``train_config.py``). ``validation_fraction`` of the training rows is held out; after
+each epoch the validation loss is measured, training stops once it has not improved for
+``patience`` epochs, and the best epoch's weights are kept (``fitting.py``). With a frozen
+backbone the heads train on cached features (one backbone pass); otherwise AdamW epochs run
+through the whole model. The output folder is checked before anything is loaded. Importing
+this module imports argparse only; ``run`` imports the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConfigError
-from .options import add_quiet
-
-if TYPE_CHECKING:
-    from ..features import CachedFeatures
-    from ..model.headed import HeadedModel
+from .options import add_encoding, add_overwrite, add_quiet
 
 HELP = "train heads from a YAML config; writes a checkpoint folder"
 EXAMPLE = """example:
-  headkit train configs/sentiment.yaml
+  headkit train configs/sentiment.yaml --output runs/sentiment
 config (paths relative to the config file; see docs/cli.md):
   model: packaged:minilm
   heads: [{name: sentiment, pred_for_sequence: true, pooling: mean, layer_hook: 4}]
   data: {train: train.csv, eval: test.csv, text_column: text,
          label_columns: {sentiment: label}}
-  training: {epochs: 10, batch_size: 32, lr: 1.0e-3}
-  output: runs/sentiment"""
+  training: {batch_size: 32}    # epochs and lr: by freeze_backbone; early stopping
+  output: runs/sentiment        # or --output"""
 
-_TOP = {"model", "model_kwargs", "heads", "data", "training", "output"}
-_DATA = {"train": None, "eval": None, "text_column": "text", "label_columns": None, "limit": None}
-_TRAINING = {
-    "epochs": 10,
-    "batch_size": 32,
-    "lr": 1e-3,
-    "max_length": 128,
-    "seed": 0,
-    "freeze_backbone": True,
-    "use_cached_features": "auto",
-}
+#: ``epochs`` (a ceiling: early stopping usually ends sooner) and ``lr`` when the config
+#: leaves them out, by whether the backbone is frozen (heads only) or trains too.
+DEFAULTS = {True: {"epochs": 100, "lr": 3e-3}, False: {"epochs": 10, "lr": 5e-5}}
+
+
+class LossStillFallingWarning(UserWarning):
+    """Training reached its last epoch with the training loss still falling."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG.yaml")
-    p.add_argument("--output", help="checkpoint folder (overrides the config's output)")
+    p.add_argument("--output", help="checkpoint folder (replaces the config's output)")
+    add_overwrite(p, "a headkit checkpoint already in the output folder")
+    add_encoding(p)
     add_quiet(p)
 
 
 def run(args: argparse.Namespace) -> None:
     from .evaluate import metrics_table
 
-    config = load_train_config(args.config)
-    if args.output:
-        config["output"] = args.output
-    result = run_train(config, progress=not args.quiet)
+    config = load_train_config(args.config, output=args.output, encoding=args.encoding)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LossStillFallingWarning)  # printed below, one line
+        result = run_train(config, progress=not args.quiet, overwrite=args.overwrite)
     losses = result["losses"]
     print(f"training loss: epoch 1 {losses[0]:.4f} -> epoch {len(losses)} {losses[-1]:.4f}")
+    if result["best_epoch"] is not None:
+        how = "stopped early" if result["stopped_early"] else "ran every epoch"
+        print(
+            f"validation loss: best {result['val_losses'][result['best_epoch'] - 1]:.4f} at "
+            f"epoch {result['best_epoch']} ({how}; its weights are kept)"
+        )
+    if result["warning"]:
+        print(f"headkit train: warning: {result['warning']}", file=sys.stderr)
     if "metrics" in result:
         print("held-out metrics (data.eval):")
         print(metrics_table(result["metrics"]))
@@ -65,49 +73,32 @@ def run(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------- config
-def load_train_config(path: str | Path) -> dict[str, Any]:
-    """Read and check a training config; relative paths are relative to the config's folder."""
+def load_train_config(
+    path: str | Path, output: str | None = None, encoding: str | None = None
+) -> dict[str, Any]:
+    """Read and check a training config; relative paths are relative to the config's folder.
+
+    ``output`` (``--output``, relative to the working folder) replaces the config's
+    ``output``; ``encoding`` (``--encoding``) its ``data.encoding``. ``training.epochs`` and
+    ``training.lr`` left out (or ``auto``) become ``DEFAULTS[freeze_backbone]``.
+    """
     from ..config import HeadConfig
+    from .train_config import load_yaml, parse_config
 
     path = Path(path)
-    try:
-        import yaml
-    except ImportError:
-        raise ConfigError("headkit train needs pyyaml: pip install pyyaml") from None
     if not path.is_file():
         raise ConfigError(f"CONFIG={str(path)!r} does not exist; a YAML file (see docs/cli.md)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the config must be a mapping with keys {sorted(_TOP)}")
-    _known(raw, _TOP, str(path))
-    for key in ("model", "heads", "data", "output"):
-        if key not in raw:
-            raise ConfigError(
-                f"{path}: key {key!r} is missing (required: model, heads, data, output)"
-            )
-    data = _section(raw, "data", _DATA, path)
-    training = _section(raw, "training", _TRAINING, path)
-    labels = data["label_columns"]
-    if not data["train"] or not isinstance(labels, dict) or not labels:
-        raise ConfigError(
-            f"{path}: data needs 'train' (a file) and 'label_columns' ({{target: column}})"
-        )
-    if training["use_cached_features"] not in ("auto", True, False):
-        raise ConfigError(
-            f"{path}: training.use_cached_features={training['use_cached_features']!r} is "
-            "invalid; allowed: auto, true, false"
-        )
+    parsed = parse_config(load_yaml(path), str(path))
+    training = parsed.training.model_dump()
+    for key, value in DEFAULTS[training["freeze_backbone"]].items():
+        if training[key] is None:
+            training[key] = value
     if training["use_cached_features"] is True and not training["freeze_backbone"]:
         raise ConfigError(
             f"{path}: training.use_cached_features=true needs training.freeze_backbone=true "
             "(cached features would go stale as the backbone trains)"
         )
-    if not isinstance(raw["heads"], list) or not raw["heads"]:
-        raise ConfigError(f"{path}: heads must be a non-empty list of HeadConfig field mappings")
-    heads = [HeadConfig.from_dict(h) for h in raw["heads"]]
+    heads = [HeadConfig.from_dict(h) for h in parsed.heads]
     for h in heads:
         if h.is_causal_lm:
             raise ConfigError(
@@ -115,140 +106,108 @@ def load_train_config(path: str | Path) -> dict[str, Any]:
                 "classification, regression and token heads (use the Python API for LM heads)"
             )
     base = path.parent
+    data = parsed.data.model_dump()
     for key in ("train", "eval"):
         if data[key] and not str(data[key]).startswith("packaged:"):
             data[key] = str(base / data[key])
+    if encoding is not None:
+        data["encoding"] = encoding
+    if output is None and parsed.output is None:
+        raise ConfigError(f"{path}: no output folder; set output: in the config or pass --output")
     return {
-        "model": raw["model"],
-        "model_kwargs": raw.get("model_kwargs") or {},
+        "model": parsed.model,
+        "model_kwargs": parsed.model_kwargs.model_dump(exclude_unset=True),
         "heads": heads,
         "data": data,
         "training": training,
-        "output": str(base / raw["output"]),
+        "output": str(output) if output is not None else str(base / parsed.output),
+        "config": str(path),
     }
 
 
-def _known(section: dict, allowed: set, where: str) -> None:
-    unknown = sorted(set(section) - set(allowed))
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}"
-        )
+def check_output(config: dict[str, Any], overwrite: bool) -> Path:
+    """Refuse the output folder before any work: an input, a file, a folder holding files
+    that are not a headkit checkpoint (named), or a checkpoint without ``overwrite``."""
+    from ..checkpoint import MANIFEST
+    from .outputs import check_output_folder, local_inputs
 
-
-def _section(raw: dict, name: str, defaults: dict, path: Path) -> dict:
-    given = raw.get(name) or {}
-    if not isinstance(given, dict):
-        raise ConfigError(f"{path}: {name} must be a mapping")
-    _known(given, set(defaults), f"{path}: {name}")
-    return {**defaults, **given}
+    data = config["data"]
+    inputs = local_inputs(config.get("config"), data["train"], data["eval"], config["model"])
+    return check_output_folder(
+        config["output"],
+        inputs,
+        overwrite,
+        ours=lambda folder: (folder / MANIFEST).is_file(),
+        what="a headkit checkpoint",
+    )
 
 
 # ---------------------------------------------------------------------- training
-def run_train(config: dict[str, Any], progress: bool = True) -> dict[str, Any]:
-    """Train the heads of a loaded config, save the checkpoint; return losses and metrics."""
+def run_train(
+    config: dict[str, Any], progress: bool = True, overwrite: bool = False
+) -> dict[str, Any]:
+    """Train the heads of a loaded config, save the checkpoint; return the per-epoch training
+    and validation losses, the epoch kept, the checkpoint and held-out metrics."""
     import torch
 
     from ..backbone.sources import load_tokenizer, resolve_model
-    from ..features import cache_features
     from ..loading import load_headed
     from .checkpoints import save_checkpoint
-    from .datafiles import read_rows, require_columns
+    from .datafiles import read_rows, require_columns, require_labels
     from .evaluate import run_eval
+    from .fitting import fit_heads
     from .rows import encode_rows, with_classes
 
+    check_output(config, overwrite)
     data, training = config["data"], config["training"]
-    cached, freeze = training["use_cached_features"], bool(training["freeze_backbone"])
-    rows = read_rows(data["train"], data["limit"])
-    wanted = {"data.text_column": data["text_column"]}
-    wanted.update({f"data.label_columns.{t}": c for t, c in data["label_columns"].items()})
-    require_columns(rows, wanted, data["train"])
+    rows = read_rows(data["train"], data["limit"], data["encoding"])
+    labelled = {f"data.label_columns.{t}": c for t, c in data["label_columns"].items()}
+    require_columns(rows, {"data.text_column": data["text_column"], **labelled}, data["train"])
+    require_labels(rows, labelled, data["train"])
     heads = with_classes(config["heads"], rows, data["label_columns"], "data.label_columns")
     path, kwargs = resolve_model(config["model"], config["model_kwargs"])
     torch.manual_seed(training["seed"])  # the heads' initial weights
+    freeze = training["freeze_backbone"]
     model = load_headed(path, head_configs=heads, freeze_base_model=freeze, **kwargs)
     tokenizer = load_tokenizer(config["model"], config["model_kwargs"])
     configs = list(model.head_configs.values())
     examples, _ = encode_rows(
         rows, tokenizer, configs, data["text_column"], data["label_columns"], training["max_length"]
     )
-    if freeze and cached in (True, "auto"):
-        feats = cache_features(
-            model, examples, batch_size=training["batch_size"], progress=progress
-        )
-        losses = _train_cached(model, feats, training, progress)
-    else:
-        losses = _train_loop(model, tokenizer, examples, training, progress)
+    fit = fit_heads(model, tokenizer, examples, training, progress)
     settings = {k: data[k] for k in ("text_column", "label_columns")}
     settings["max_length"] = training["max_length"]
     out = save_checkpoint(model, tokenizer, config["output"], settings)
-    result: dict[str, Any] = {"losses": losses, "checkpoint": str(out)}
+    result: dict[str, Any] = {
+        "losses": fit.losses,
+        "val_losses": fit.val_losses,
+        "best_epoch": fit.best_epoch,
+        "stopped_early": fit.stopped_early,
+        "warning": _still_falling(fit, training),
+        "checkpoint": str(out),
+    }
+    if result["warning"]:
+        warnings.warn(result["warning"], LossStillFallingWarning, stacklevel=2)
     if data["eval"]:
         result["metrics"] = run_eval(
-            out, data["eval"], batch_size=training["batch_size"], progress=progress, model=model
+            out,
+            data["eval"],
+            batch_size=training["batch_size"],
+            progress=progress,
+            model=model,
+            encoding=data["encoding"],
         )
     return result
 
 
-def _train_cached(
-    model: HeadedModel, feats: CachedFeatures, training: dict, progress: bool
-) -> list[float]:
-    """Epochs of ``train_heads_on_features`` under one progress bar, one optimizer throughout."""
-    import torch
-    from tqdm.auto import tqdm
-
-    from ..features import train_heads_on_features
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(training["lr"]))
-    losses: list[float] = []
-    bar = tqdm(range(training["epochs"]), desc="headkit: training heads", disable=not progress)
-    for epoch in bar:
-        losses += train_heads_on_features(
-            model,
-            feats,
-            epochs=1,
-            batch_size=training["batch_size"],
-            optimizer=opt,
-            seed=training["seed"] + epoch,
-        )
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-    return losses
-
-
-def _train_loop(
-    model: HeadedModel, tokenizer: Any, examples: list[dict], training: dict, progress: bool
-) -> list[float]:
-    """Plain AdamW epochs through the whole model (the backbone trains unless frozen)."""
-    import torch
-    from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
-
-    from ..data.collator import HeadedCollator
-
-    torch.manual_seed(training["seed"])
-    g = torch.Generator().manual_seed(training["seed"])
-    loader = DataLoader(
-        examples,
-        batch_size=training["batch_size"],
-        shuffle=True,
-        generator=g,
-        collate_fn=HeadedCollator(model, tokenizer),
+def _still_falling(fit: Any, training: dict[str, Any]) -> str | None:
+    """A warning when every epoch ran and the last one still lowered the training loss by
+    more than 0.1% (None otherwise)."""
+    losses = fit.losses
+    if fit.stopped_early or len(losses) < 2 or not losses[-1] < losses[-2] * (1 - 1e-3):
+        return None
+    return (
+        f"the training loss was still falling at the last epoch ({losses[-2]:.4g} -> "
+        f"{losses[-1]:.4g} in epoch {len(losses)} of training.epochs={training['epochs']}); "
+        "more epochs (or a larger training.lr) may train the heads further"
     )
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(training["lr"]))
-    model.train()
-    losses = []
-    for epoch in range(training["epochs"]):
-        total, n = 0.0, 0
-        for batch in tqdm(
-            loader, desc=f"epoch {epoch + 1}/{training['epochs']}", disable=not progress
-        ):
-            out = model(**batch)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            opt.step()
-            total, n = total + float(out.loss.detach()), n + 1
-        losses.append(total / max(n, 1))
-    model.eval()
-    return losses

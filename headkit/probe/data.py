@@ -147,14 +147,7 @@ def prepare_rows(tokenizer, texts, labels, task, max_length) -> ProbeRows:
 
 def _label_tensor(values: list, regression: bool, what: str) -> tuple[torch.Tensor, list | None]:
     if regression:
-        try:
-            y = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        except (TypeError, ValueError):
-            bad = next(v for v in values if not _is_number(v))
-            raise ConfigError(f"{what}: {bad!r} is not a number (task='regression')") from None
-        if not bool(torch.isfinite(y).all()):
-            raise ConfigError(f"{what}: regression labels must be finite numbers")
-        return y.float(), None
+        return _regression_targets(values, what), None
     values = [as_class(v) for v in values]
     try:
         classes = sorted(set(values))
@@ -164,6 +157,31 @@ def _label_tensor(values: list, regression: bool, what: str) -> tuple[torch.Tens
         raise ConfigError(f"{what} hold a single class ({classes!r}); a probe needs at least 2")
     index = {c: i for i, c in enumerate(classes)}
     return torch.tensor([index[v] for v in values]), classes
+
+
+def _regression_targets(values: list, what: str) -> torch.Tensor:
+    """Finite, varying targets, standardised (in float64, scaled first so that squares of
+    large values cannot overflow). R^2 and the ridge fit's choice of L2 do not change under
+    an affine map of the targets, so scores are those of the raw values, computed stably."""
+    try:
+        y = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    except (TypeError, ValueError):
+        bad = next(v for v in values if not _is_number(v))
+        raise ConfigError(f"{what}: {bad!r} is not a number (task='regression')") from None
+    finite = torch.isfinite(y)
+    if not bool(finite.all()):
+        where = torch.nonzero(~finite)[:, 0].tolist()
+        raise ConfigError(
+            f"{what}: regression labels must be finite numbers; {len(where)} are not (at "
+            f"{where[:10]}: {[values[i] for i in where[:3]]})"
+        )
+    y = y / y.abs().max().clamp(min=1e-300)
+    spread = float(y.std()) if len(y) > 1 else 0.0
+    if not spread > 1e-12:
+        raise ConfigError(
+            f"{what}: every regression label is {values[0]!r}; R^2 needs targets that vary"
+        )
+    return ((y - y.mean()) / spread).float()
 
 
 def _is_number(v: Any) -> bool:
@@ -204,6 +222,13 @@ def split_rows(
         ] = False
     test = is_test[rows.example]
     train = ~test
+    if rows.classes is None and bool(test.any()):
+        held = rows.y[test]
+        if bool((held == held[0]).all()):
+            raise ConfigError(
+                f"the {int(test.sum())} held-out regression labels are all equal; R^2 on them "
+                "is undefined: give a test split whose labels vary"
+            )
     fit = fit_examples[:, rows.example][:, train]
     if not bool(test.any()) or not bool(fit.any(1).all()) or not bool((~fit).any(1).all()):
         raise ConfigError(

@@ -18,13 +18,35 @@ weights); each (problem, split, variant) keeps the L2 with the best validation s
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import ConfigError
+
 #: Default L2 grid (per-row mean loss + l2 * |w|^2 on standardised features).
 DEFAULT_L2 = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+
+
+def check_penalties(l2: Sequence[float] | Any) -> None:
+    """Refuse an L2 grid that is empty or holds anything but finite numbers > 0 (a NaN or
+    infinite penalty fits nothing and would score at the baseline without a word)."""
+    try:
+        values = list(l2)
+    except TypeError:
+        values = None
+    if not values or any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+        for v in values
+    ):
+        raise ConfigError(
+            f"l2={l2!r} is invalid; allowed: one or more finite penalties > 0 "
+            "(e.g. [1e-4, 1e-2, 1.0])"
+        )
 
 
 @dataclass

@@ -11,6 +11,9 @@ from typing import Any
 
 from ..errors import ConfigError
 
+#: What the plot's error bars are, as the plot says it.
+ERROR_BARS = "95% bootstrap interval over held-out rows"
+
 
 @dataclass
 class ProbeRow:
@@ -203,7 +206,7 @@ class ProbeResults:
                 )
         ax.axhline(self.baseline, color="gray", ls=":", label="baseline")
         ax.set_xlabel("layer (hidden_states index, 0 = embeddings)")
-        ax.set_ylabel(f"held-out {self.metric}")
+        ax.set_ylabel(f"held-out {self.metric}\n(error bars: {ERROR_BARS})")
         if len(self.layers) <= 16:
             ax.set_xticks(self.layers)
         ax.grid(alpha=0.3)

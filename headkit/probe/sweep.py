@@ -43,7 +43,7 @@ from .data import (
     prepare_rows,
     split_rows,
 )
-from .fit import DEFAULT_L2, bootstrap_interval, fit_and_score, standardise
+from .fit import DEFAULT_L2, bootstrap_interval, check_penalties, fit_and_score, standardise
 from .results import ProbeResults, ProbeRow
 
 #: Bytes of features and probe activations handled at once (problems are chunked to fit).
@@ -246,8 +246,7 @@ def _check_args(
     for name, v in (("test_fraction", test_fraction), ("val_fraction", val_fraction)):
         if not isinstance(v, (int, float)) or not 0 < v < 1:
             raise ConfigError(f"{name}={v!r} is invalid; a fraction strictly between 0 and 1")
-    if not l2 or any(not isinstance(v, (int, float)) or v <= 0 for v in l2):
-        raise ConfigError(f"l2={l2!r} is invalid; one or more penalties > 0")
+    check_penalties(l2)
     if not isinstance(bootstrap, int) or bootstrap < 10:
         raise ConfigError(f"bootstrap={bootstrap!r} is invalid; an integer >= 10 (resamples)")
     if len(texts) != len(labels):

@@ -118,7 +118,8 @@ def test_entry_point_runs_a_probe(entry_point, smoke_runs) -> None:
 
 def test_help_and_usage_errors_import_no_torch() -> None:
     """``headkit --help``, every ``headkit CMD --help`` and a usage error (here a missing
-    option) come from argparse alone: torch, transformers, numpy, yaml stay unimported."""
+    option) come from argparse alone: torch, transformers, numpy, yaml, pydantic stay
+    unimported."""
     code = f"""
 import sys
 from headkit.cli.main import main
@@ -128,7 +129,7 @@ for argv, status in [(a, 0) for a in runs] + [(["probe", "--model", "m", "--outp
         main(argv)
     except SystemExit as e:
         assert e.code == status, (argv, e.code)
-heavy = ("torch", "transformers", "numpy", "yaml", "tqdm", "safetensors", "tokenizers")
+heavy = ("torch", "transformers", "numpy", "yaml", "tqdm", "safetensors", "tokenizers", "pydantic")
 print("HEAVY", sorted(m for m in sys.modules if m.split(".")[0] in heavy))
 """
     result = run_side_by_side({"help": [sys.executable, "-c", code]})["help"]
@@ -214,7 +215,7 @@ def test_probe_saved_dataset(model_dir, reviews, tmp_path, capsys) -> None:
     assert json.loads((out / "probe_results.json").read_text())["metric"] == "accuracy"
     capsys.readouterr()
     args = ["--model", str(model_dir), "--data", str(tmp_path / "dd"), "--output", str(out)]
-    line = _one_error_line(main(["probe", *args]), capsys.readouterr().err)
+    line = _one_error_line(main(["probe", *args, "--overwrite"]), capsys.readouterr().err)
     assert "DatasetDict with splits ['train']" in line and str(tmp_path / "dd" / "train") in line
 
 
@@ -260,8 +261,16 @@ def test_train_eval_predict(model_dir, reviews, tmp_path, capsys) -> None:
     assert main(["predict", str(ckpt), "--data", str(reviews["test"]), "--output", str(out)]) == 0
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 60 and list(rows[0]) == ["text", "sentiment", "sentiment_prob", "goods"]
+    assert len(rows) == 60 and list(rows[0]) == [
+        *("row", "text", "sentiment", "sentiment_prob"),
+        *("sentiment_prob_neg", "sentiment_prob_pos", "goods"),
+    ]
+    assert [r["row"] for r in rows] == [str(i) for i in range(60)]
     assert {r["sentiment"] for r in rows} <= {"neg", "pos"}
+    for r in rows:  # the class's probability is the larger of the per-class ones
+        per_class = float(r["sentiment_prob_neg"]), float(r["sentiment_prob_pos"])
+        assert sum(per_class) == pytest.approx(1.0, abs=1e-5)
+        assert float(r["sentiment_prob"]) == pytest.approx(max(per_class))
     assert all(0.5 <= float(r["sentiment_prob"]) <= 1.0 for r in rows)
     agree = sum((r["sentiment"] == "pos") == ("good" in r["text"]) for r in rows) / len(rows)
     assert agree == pytest.approx(metrics["sentiment"]["accuracy"])
