@@ -172,7 +172,7 @@ def load_adapter(backbone: torch.nn.Module, ckpt: Any, *, trainable: bool = True
     state = _read_weights(folder / ADAPTER_WEIGHTS)
     state = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}
     if not own:
-        _inject(backbone, _read_config(folder), name, trainable, where)
+        _inject(backbone, _read_config(folder), name, trainable, where, state)
     elif own != [name]:
         raise CheckpointError(
             f"{where!r} holds the adapter {name!r}, but the model's backbone carries {own}"
@@ -201,8 +201,10 @@ def _read_config(folder: Path) -> Any:
     return config
 
 
-def _inject(backbone: torch.nn.Module, config: Any, name: str, trainable: bool, where: str) -> None:
-    check_ranks(backbone, config, where)  # before peft allocates anything
+def _inject(
+    backbone: torch.nn.Module, config: Any, name: str, trainable: bool, where: str, state: dict
+) -> None:
+    check_ranks(backbone, config, where, state)  # before peft allocates anything
     config.inference_mode = not trainable
     config.init_lora_weights = True  # the file's tensors replace them; no init touches the base
     config.base_model_name_or_path = None
@@ -213,10 +215,10 @@ def _inject(backbone: torch.nn.Module, config: Any, name: str, trainable: bool, 
         raise CheckpointError(f"{where!r}: its adapter does not fit the backbone: {e}") from None
 
 
-def check_ranks(backbone: torch.nn.Module, config: Any, where: str) -> None:
-    """Refuse LoRA ranks beyond MAX_LORA_RANK or beyond the width of a layer they adapt
-    (a rank-r update of an (n, m) weight has rank at most min(n, m)), before peft allocates
-    r × (n + m) values per layer."""
+def check_ranks(backbone: torch.nn.Module, config: Any, where: str, state: dict) -> None:
+    """Refuse LoRA ranks beyond MAX_LORA_RANK, and a rank that is not the one of the adapter's
+    saved tensors (``lora_A`` is (r, in)), before peft allocates r × (n + m) values per
+    layer: what peft builds is then never larger than the file that was read."""
     from peft.tuners.tuners_utils import check_target_module_exists
     from peft.utils.other import get_pattern_key
 
@@ -227,6 +229,11 @@ def check_ranks(backbone: torch.nn.Module, config: Any, where: str) -> None:
                 f"{where!r}: its adapter's {field}={r!r} is invalid; a LoRA rank from 1 to "
                 f"{MAX_LORA_RANK}"
             )
+    saved = {
+        k.split(".lora_A.")[0]: v.shape[0]
+        for k, v in state.items()
+        if ".lora_A." in k and v.dim() >= 1
+    }
     for key, module in backbone.named_modules():
         weight = getattr(getattr(module, "base_layer", module), "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
@@ -234,10 +241,11 @@ def check_ranks(backbone: torch.nn.Module, config: Any, where: str) -> None:
         if not check_target_module_exists(config, key):
             continue
         r = patterns.get(get_pattern_key(list(patterns), key), config.r) if patterns else config.r
-        if r > min(weight.shape):
+        if key in saved and r != saved[key]:
             raise CheckpointError(
-                f"{where!r}: its adapter's rank {r} for layer {key!r} exceeds the layer's width "
-                f"(weight {tuple(weight.shape)}): a LoRA rank is at most min{tuple(weight.shape)}"
+                f"{where!r}: its adapter's config gives layer {key!r} rank {r}, but its saved "
+                f"lora_A tensor has rank {saved[key]}: {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} "
+                "do not belong together"
             )
 
 
