@@ -70,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from ..data.encoding import as_class
+    from ..model.ranks import is_main
     from ..probe.sweep import probe_layers
     from .datafiles import as_list, as_number, read_rows, require_columns
 
@@ -104,8 +105,9 @@ def run(args: argparse.Namespace) -> None:
         val_splits=args.val_splits,
         **options,
     )
-    print(results.table())
-    write_results(results, Path(args.output))
+    if is_main():  # under torchrun every rank has the same results: rank 0 writes them
+        print(results.table())
+        write_results(results, Path(args.output))
 
 
 def write_results(results: ProbeResults, out: Path) -> None:
