@@ -63,10 +63,9 @@ def producers(backbone: nn.Module, info: BackboneInfo, layer: int) -> list[str]:
         embeddings = (
             backbone.get_input_embeddings() if hasattr(backbone, "get_input_embeddings") else None
         )
-        found = (
-            [names[id(embeddings)]] if embeddings is not None and id(embeddings) in names else []
-        )
-        return found + [f"{info.layers_path}.0"]
+        if embeddings is not None and id(embeddings) in names:
+            return [names[id(embeddings)]]
+        return [f"{info.layers_path}.0"]  # (no embeddings to ask: the first block's device)
     block = f"{info.layers_path}.{layer - 1}"
     if layer < info.num_layers or not info.tie_last:
         return [block]

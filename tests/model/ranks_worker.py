@@ -14,8 +14,9 @@ a tiny random BERT with a tokenizer, saved by the test. Each rank runs, in turn:
 3. "fsdp": ``headkit.shard`` of a trainable GPT-2 whose deepest head reads hidden state 2 of
    3 (early exit), 3 AdamW steps on half of one global batch of 8 each, predictions, a
    forward with ``output_hidden_states``, ``save_pretrained`` on both ranks, the checkpoint
-   loaded and sharded again; and (rank 1) ``HeadedTrainer`` with
-   ``TrainingArguments(fsdp=...)``, which on the CPU runs DDP instead (a warning says so).
+   loaded and sharded again;
+4. "trainer" (rank 1 only): ``HeadedTrainer`` with ``TrainingArguments(fsdp=...)``, which on
+   the CPU runs DDP instead (a warning says so).
 
 The test runs the same functions in one process and compares. Tensors go to
 ``<scenario>-rank<r>.safetensors``; the rest is this rank's report (``rank<r>.json``).
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -274,8 +274,6 @@ def run_fsdp(out: Path) -> dict[str, Any]:
         "writes": writes,
         "seen_after_save": seen,
         "shard_twice": _error(lambda: sharding.shard(model)),
-        # (rank 1 only: rank 0 is busy drawing the probe plot meanwhile)
-        "trainer": trainer_on_cpu(out) if r == 1 else None,
     }
 
 
@@ -304,12 +302,11 @@ def trainer_on_cpu(out: Path) -> dict[str, Any]:
 
 
 def main(out: Path, model_dir: str) -> dict[str, Any]:
-    return {
-        "cache": run_cache(out),
-        "probe": run_probe(out, model_dir),
-        "fsdp": run_fsdp(out),
-        "env_world_size": os.environ.get("WORLD_SIZE"),
-    }
+    report = {"cache": run_cache(out), "probe": run_probe(out, model_dir)}
+    if rank() == 1:  # no collective in it: rank 1 runs it while rank 0 draws the probe plot
+        report["trainer"] = trainer_on_cpu(out)
+    report["fsdp"] = run_fsdp(out)
+    return report
 
 
 if __name__ == "__main__":

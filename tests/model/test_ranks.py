@@ -187,7 +187,7 @@ def test_fsdp2_trains_like_one_process_and_its_checkpoint_loads_in_one_process(l
 
 def test_trainer_fsdp_on_cpu_ranks_runs_ddp_and_says_so(launch):
     _, reports, _ = launch
-    trainer = reports[1]["fsdp"]["trainer"]
+    trainer = reports[1]["trainer"]
     assert trainer["fsdp_enabled"] is False
     assert len(trainer["warnings"]) == 1
     assert "TrainingArguments(fsdp=True) is not applied here" in trainer["warnings"][0]
