@@ -9,8 +9,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from headkit import ConfigError, HeadConfig, HeadedModel, cache_features
+from headkit import BatchError, ConfigError, HeadConfig, HeadedModel, cache_features
 from headkit.features.shards import (
+    _agreed_specs,
+    _agreed_targets,
     balanced_order,
     batches_of_rank,
     loader_of_rank,
@@ -98,3 +100,19 @@ def test_gather_must_be_a_bool_and_false_only_applies_in_memory(tiny_gpt2, tmp_p
 def test_a_rank_that_cannot_see_the_folder_says_so(tmp_path):
     with pytest.raises(ConfigError, match="this rank does not see the folder rank 0 prepared"):
         _DiskWriter(tmp_path / "elsewhere", False, part="rank1-")
+
+
+def test_what_the_ranks_report_must_agree():
+    """What each rank reports after its pass (``combine`` gathers these): the same targets
+    and the same array layouts on every rank that ran batches; nothing at all is an empty
+    dataset."""
+    spec = {"dtype": "float32", "shape": [3, 8]}
+    ran = {"present": ["y"], "specs": {"features/L1.mean": spec}, "rows": 3}
+    idle = {"present": None, "specs": {}, "rows": 0}
+    assert _agreed_targets([ran, idle]) == {"y"}
+    assert _agreed_specs([ran, idle, ran])["features/L1.mean"] == {**spec, "shape": [6, 8]}
+    other = {**ran, "specs": {"features/L1.mean": {"dtype": "float16", "shape": [2, 8]}}}
+    with pytest.raises(BatchError, match="features/L1.mean: rank 1 cached float16 rows"):
+        _agreed_specs([ran, other])
+    with pytest.raises(BatchError, match="the dataset is empty: there is nothing to cache"):
+        _agreed_targets([idle, idle])
