@@ -177,17 +177,25 @@ def measure(st: Any, fns: dict, ranks: Ranks, warmup: int, steps: int) -> dict[s
             waited += wait_for_quiet(st.max_load, st.quiet_timeout)
         own0, ranks0, busy0 = time.process_time(), ranks.cpu_seconds(), busy_seconds()
         t0 = time.perf_counter()
+        ranks.rank_s = [[] for _ in ranks.rank_s]
         samples = alternate(fns, warmup if attempt == 0 else max(1, warmup // 2), steps)
         wall = time.perf_counter() - t0
         ours = (time.process_time() - own0) + (ranks.cpu_seconds() - ranks0)
         others = max(0.0, (busy_seconds() - busy0) - ours) / wall
         loads.append(round(others, 3))
         if best is None or others < best[1]:
-            best = (samples, others)
+            per_rank = [statistics.median(s[-steps:]) for s in ranks.rank_s]
+            best = (samples, others, per_rank)
         if others <= st.max_load:
             break
-    samples, others = best
-    return {"samples": samples, "other_cores": others, "loads": loads, "waited_s": waited}
+    samples, others, per_rank = best
+    return {
+        "samples": samples,
+        "other_cores": others,
+        "rank_s": per_rank,
+        "loads": loads,
+        "waited_s": waited,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -221,8 +229,6 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)
     median = {k: statistics.median(v) for k, v in m["samples"].items()}
-    timed = len(m["samples"]["two"])
-    per_rank = [statistics.median(s[-timed:]) for s in ranks.rank_s]
     figures = [
         figure(
             f"cache pass, {RANKS} ranks x 1 thread ÷ 1 rank x 1 thread (same data)",
@@ -235,8 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     details = {
         "ms": {k: round(v * 1e3, 1) for k, v in median.items()},
-        "rank_ms": [round(s * 1e3, 1) for s in per_rank],
-        "steps": timed,
+        "rank_ms": [round(x * 1e3, 1) for x in m["rank_s"]],
+        "steps": len(m["samples"]["two"]),
         "other_cores": round(m["other_cores"], 3),
         "loads": m["loads"],
         "waited_for_quiet_s": round(m["waited_s"], 1),
