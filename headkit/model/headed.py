@@ -47,7 +47,7 @@ from .generation import HeadedGenerationMixin
 from .guards import NonFiniteGuard, ValueChecks
 from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
 from .parallel import freeze_unreached, inside_strict_ddp, join_idle
-from .placement import head_devices, loss_device
+from .placement import head_devices, loss_device, on_device_of
 from .sharding import is_sharded, save_sharded
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
@@ -390,19 +390,21 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     def head_inputs(
         self, captured: dict[int, torch.Tensor], mask: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
-        """Each head's input from the hooked states; a parameter-free pooling is computed once
-        per (layer, pooling) and shared by the heads that ask for it."""
+        """Each head's input from the hooked states (moved to the head's device where it sits
+        elsewhere, ``placement.py``); a parameter-free pooling is computed once per (layer,
+        device, pooling) and shared by the heads that ask for it."""
         shared: dict[tuple, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, head in self.heads.items():
             layer = self._layer_of_head[name]
+            hidden = on_device_of(head, captured[layer])
             key = head.pooling_key if isinstance(head, Head) else None
             if key is None:
-                out[name] = head.features(captured[layer], mask)
+                out[name] = head.features(hidden, mask)
                 continue
-            key = (layer, *key)
+            key = (layer, hidden.device, *key)
             if key not in shared:
-                shared[key] = head.features(captured[layer], mask)
+                shared[key] = head.features(hidden, mask)
             out[name] = shared[key]
         return out
 

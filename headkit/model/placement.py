@@ -6,9 +6,10 @@ each block on its own device, and ``from_pretrained`` records where in ``hf_devi
 comes out on: the input embeddings' for ``k = 0`` (the first block's input), block ``k-1``'s
 for ``k >= 1``, and, for the last hidden state when it is the model's output
 (``last_hidden_state``, after a final norm), the final norm's. Its pooling and loss run there
-(masks and labels are moved to it); the total loss is gathered on the first head's device,
-where the loss weighting lives. Without a device map every head goes to the device of the
-backbone's first parameter.
+(masks and labels are moved to it; a head that shares the input embeddings' matrix, a tied
+LM head, gets the state moved to that matrix's device); the total loss is gathered on the
+first head's device, where the loss weighting lives. Without a device map every head goes
+to the device of the backbone's first parameter.
 
 Map entries follow accelerate's dispatch: an integer is an accelerator index, a module
 offloaded to "cpu" or "disk" runs on the main device (the map's first accelerator; the CPU
@@ -105,6 +106,14 @@ def head_devices(
                 break
         out[head] = device if device is not None else default
     return out
+
+
+def on_device_of(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` on the device of ``head``'s first parameter (a head sharing the input
+    embeddings' matrix, a tied LM head, lives where that matrix does)."""
+    for p in head.parameters():
+        return hidden if hidden.device == p.device else hidden.to(p.device)
+    return hidden
 
 
 def loss_device(heads: nn.Module, default: torch.device) -> torch.device:
