@@ -55,6 +55,7 @@ _LAZY: dict[str, str] = {
     "predict_on_features": "features",
     "print_trainable_parameters": "integrations.transformer_heads",
     "probe_layers": "probe.sweep",
+    "shard": "model.sharding",
     "to_sentence_transformer": "integrations.sentence_transformers",
     "train_heads_on_features": "features",
 }
@@ -98,6 +99,7 @@ __all__ = [
     "predict_on_features",
     "print_trainable_parameters",
     "probe_layers",
+    "shard",
     "to_sentence_transformer",
     "train_heads_on_features",
 ]
@@ -156,6 +158,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, no
     from .metrics import HeadwiseMetrics, evaluate_head_wise
     from .model.generation import HeadedGenerateOutput
     from .model.headed import HeadedModel, HeadedModelOutput
+    from .model.sharding import shard
     from .probe.results import ProbeResults, ProbeRow
     from .probe.sweep import parse_layers as parse_layers
     from .probe.sweep import probe_layers

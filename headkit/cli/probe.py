@@ -90,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from ..model.ranks import is_main
     from ..probe.sweep import probe_layers
     from .options import check_model_kwargs
     from .outputs import local_inputs
@@ -130,8 +131,9 @@ def run(args: argparse.Namespace) -> None:
         **test,
         **options,
     )
-    print(results.table())
-    write_results(results, out)
+    if is_main():  # under torchrun every rank has the same results: rank 0 writes them
+        print(results.table())
+        write_results(results, out)
 
 
 def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:

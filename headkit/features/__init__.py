@@ -3,7 +3,8 @@
 ``cache_features`` (``caching.py``) runs a frozen backbone over a dataset once and keeps what
 each head reads; ``CachedFeatures`` (``storage.py``) holds it in memory or on disk;
 ``train_heads_on_features`` and ``predict_on_features`` (``train.py``) train and apply the
-heads on it with the same loss computation as ``HeadedModel.forward``.
+heads on it with the same loss computation as ``HeadedModel.forward``; under a process
+group of several ranks ``shards.py`` splits the pass over them.
 """
 
 from .caching import cache_features

@@ -38,8 +38,10 @@ from ..losses.objective import (
     labels_as_tensor,
     target_rules,
 )
+from ..model import ranks
 from ..model.headed import HeadedModel
 from ..model.labels import keep_model_columns, route_labels
+from . import shards
 from .storage import CachedFeatures, _DiskWriter, _MemoryWriter, _Writer
 
 
@@ -52,6 +54,7 @@ def cache_features(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     overwrite: bool = False,
+    gather: bool = True,
 ) -> CachedFeatures:
     """Run the frozen backbone over ``dataset`` once and keep every head's input and labels.
 
@@ -62,64 +65,65 @@ def cache_features(
     ``storage``: "memory" or a directory (created; an existing non-empty one needs
     ``overwrite=True``). ``dtype`` is the stored float type. Raises ConfigError if anything
     outside the heads is trainable (cached features would go stale as it trains).
+
+    Under a process group of several ranks (torchrun, ``accelerate launch``; a launched
+    process initialises it, see ``headkit.model.ranks``) the work is split: each rank runs a
+    contiguous run of whole batches, the same batches one process would run (see
+    ``headkit.features.shards``), and every rank gets the whole cache, rows in the dataset's
+    order and equal to a single-process run: all-gathered in memory (``gather=False``: each
+    rank keeps only its own rows, ``meta["shard"]`` says which), or one folder written
+    together (every rank must see it) with one manifest written by rank 0.
     """
     check_frozen(model)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype={dtype!r} is invalid; a floating torch dtype (torch.float32...)")
-    loader = _loader(model, dataset, batch_size, collate_fn)
+    if not isinstance(gather, bool):
+        raise ConfigError(
+            f"gather={gather!r} is invalid; True (every rank gets the whole cache) "
+            "or False (each rank its own rows)"
+        )
+    if not gather and not (isinstance(storage, str) and storage == "memory"):
+        raise ConfigError(
+            "gather=False applies to storage='memory'; a folder always holds the whole cache "
+            "(every rank opens it memory-mapped)"
+        )
+    rank, world = ranks.current()
+    loader = _loader(model, dataset, batch_size, collate_fn, rank, world)
     heads = _plan_heads(model)
     targets = _label_layouts(model)
-    if isinstance(storage, str) and storage == "memory":
-        writer: _Writer = _MemoryWriter()
-    elif isinstance(storage, (str, PathLike)):
-        writer = _DiskWriter(Path(storage), overwrite)
-    else:
-        raise ConfigError(f"storage={storage!r} is invalid; 'memory' or a directory path")
     need_tokens = any(info["layout"] == "tokens" for info in heads.values()) or any(
         layout == "token" for layout in targets.values()
     )
-    try:
-        total = len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        total = None
-    was_training = model.backbone.training
-    model.backbone.eval()
-    offsets = [0]
-    present: set[str] | None = None
-    try:
-        bar = tqdm(
-            loader,
-            total=total,
-            disable=not progress,
-            desc="headkit: caching features",
-            unit="batch",
-        )
-        with torch.no_grad():
-            for i, batch in enumerate(bar):
-                labels, lengths = _cache_batch(model, heads, targets, batch, writer, dtype)
-                if present is None:
-                    present = set(labels)
-                elif set(labels) != present:
-                    raise BatchError(
-                        f"batch {i} has labels for targets {sorted(labels)} but earlier batches "
-                        f"had {sorted(present)}; every batch needs the same targets"
-                    )
-                for n in lengths:
-                    offsets.append(offsets[-1] + n)
-        if present is None:
-            raise BatchError("the dataset is empty: there is nothing to cache")
-        if need_tokens:
-            writer.append("offsets", torch.tensor(offsets, dtype=torch.long))
-        meta = {
-            "num_sequences": len(offsets) - 1,
-            "num_tokens": offsets[-1] if need_tokens else 0,
+
+    def meta_of(present: set[str], num_sequences: int, num_tokens: int) -> dict[str, Any]:
+        return {
+            "num_sequences": num_sequences,
+            "num_tokens": num_tokens,
             "dtype": str(dtype).removeprefix("torch."),
             "heads": heads,
             "feature_keys": {info["features"]: info["layout"] for info in heads.values()},
             "labels": {t: {"layout": targets[t]} for t in sorted(present)},
             "backbone": _backbone_meta(model),
         }
-        return writer.finish(meta)
+
+    writer = _writer(storage, overwrite, rank, world)
+    was_training = model.backbone.training
+    model.backbone.eval()
+    try:
+
+        def pass_fn() -> tuple[set[str] | None, list[int]]:
+            return _run_pass(model, loader, heads, targets, writer, dtype, progress and rank == 0)
+
+        if world > 1:
+            return shards.combine(writer, pass_fn, meta_of, need_tokens, gather, rank)
+        present, lengths = pass_fn()
+        if present is None:
+            raise BatchError("the dataset is empty: there is nothing to cache")
+        offsets = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)
+        if need_tokens:
+            writer.append("offsets", offsets)
+        num_tokens = int(offsets[-1]) if need_tokens else 0
+        return writer.finish(meta_of(present, len(lengths), num_tokens))
     except BaseException:
         writer.abort()
         raise
@@ -127,18 +131,69 @@ def cache_features(
         model.backbone.train(was_training)
 
 
-def _loader(model: HeadedModel, dataset: Any, batch_size: Any, collate_fn: Any) -> Iterable:
-    """A DataLoader as given, else one over ``dataset`` without the columns the model ignores."""
-    if isinstance(dataset, DataLoader):
-        return dataset
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ConfigError(f"batch_size={batch_size!r} is invalid; an integer >= 1")
-    if collate_fn is None:
-        from ..data.collator import HeadedCollator
+def _writer(storage: Any, overwrite: bool, rank: int, world: int) -> _Writer:
+    """Where the arrays go: memory, a folder, or this rank's part of a shared folder."""
+    if isinstance(storage, str) and storage == "memory":
+        return _MemoryWriter()
+    if not isinstance(storage, (str, PathLike)):
+        raise ConfigError(f"storage={storage!r} is invalid; 'memory' or a directory path")
+    if world > 1:
+        return shards.rank_writer(Path(storage), overwrite, rank)
+    return _DiskWriter(Path(storage), overwrite)
 
-        collate_fn = HeadedCollator(model)
-    kept = keep_model_columns(dataset, model.head_configs, "cache_features")
-    return DataLoader(kept, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
+
+def _run_pass(
+    model: HeadedModel,
+    loader: Iterable,
+    heads: dict[str, dict[str, Any]],
+    targets: dict[str, str],
+    writer: _Writer,
+    dtype: torch.dtype,
+    progress: bool,
+) -> tuple[set[str] | None, list[int]]:
+    """Cache every batch of ``loader``; return the targets every batch had labels for (None
+    without batches) and the real tokens of each sequence."""
+    try:
+        total = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        total = None
+    lengths: list[int] = []
+    present: set[str] | None = None
+    bar = tqdm(
+        loader, total=total, disable=not progress, desc="headkit: caching features", unit="batch"
+    )
+    with torch.no_grad():
+        for i, batch in enumerate(bar):
+            labels, batch_lengths = _cache_batch(model, heads, targets, batch, writer, dtype)
+            if present is None:
+                present = set(labels)
+            elif set(labels) != present:
+                raise BatchError(
+                    f"batch {i} has labels for targets {sorted(labels)} but earlier batches "
+                    f"had {sorted(present)}; every batch needs the same targets"
+                )
+            lengths += batch_lengths
+    return present, lengths
+
+
+def _loader(
+    model: HeadedModel, dataset: Any, batch_size: Any, collate_fn: Any, rank: int, world: int
+) -> Iterable:
+    """A DataLoader as given, else one over ``dataset`` without the columns the model
+    ignores; on several ranks, this rank's batches of it."""
+    if not isinstance(dataset, DataLoader):
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} is invalid; an integer >= 1")
+        if collate_fn is None:
+            from ..data.collator import HeadedCollator
+
+            collate_fn = HeadedCollator(model)
+        dataset = keep_model_columns(dataset, model.head_configs, "cache_features")
+        if world == 1:
+            return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
+    elif world == 1:
+        return dataset
+    return shards.loader_of_rank(dataset, batch_size, collate_fn, rank, world)
 
 
 def _cache_batch(

@@ -260,16 +260,33 @@ class _MemoryWriter(_Writer):
     def _write(self, name: str, t: torch.Tensor) -> None:
         self.parts.setdefault(name, []).append(t.clone())
 
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """What was appended, one tensor per array."""
+        return {n: torch.cat(ps) if len(ps) > 1 else ps[0] for n, ps in self.parts.items()}
+
     def finish(self, meta: dict[str, Any]) -> CachedFeatures:
-        arrays = {n: torch.cat(ps) if len(ps) > 1 else ps[0] for n, ps in self.parts.items()}
-        return CachedFeatures(arrays, meta)
+        return CachedFeatures(self.arrays(), meta)
 
 
 class _DiskWriter(_Writer):
-    """Raw arrays (native byte order) appended batch by batch; ``manifest.json`` written last."""
+    """Raw arrays (native byte order) appended batch by batch; ``manifest.json`` written last.
 
-    def __init__(self, path: Path, overwrite: bool) -> None:
+    ``part`` (a file-name prefix such as ``"rank1-"``): one rank's part of a cache that rank 0
+    prepared the folder of; its files are merged into rank 0's (``shards.py``).
+    """
+
+    def __init__(self, path: Path, overwrite: bool, part: str = "") -> None:
         super().__init__()
+        self.path, self.part = path, part
+        self.files: dict[str, Any] = {}
+        if part:
+            if not path.is_dir():
+                raise ConfigError(
+                    f"storage={str(path)!r}: this rank does not see the folder rank 0 "
+                    "prepared; every rank must see the same folder (on several machines, a "
+                    "shared filesystem), or cache in memory (storage='memory')"
+                )
+            return
         if path.exists() and not path.is_dir():
             raise ConfigError(f"storage={str(path)!r} is a file; a directory path is needed")
         if path.is_dir() and any(path.iterdir()):
@@ -288,21 +305,23 @@ class _DiskWriter(_Writer):
             for f in path.iterdir():
                 f.unlink()
         path.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.files: dict[str, Any] = {}
 
     def _write(self, name: str, t: torch.Tensor) -> None:
         if name not in self.files:
-            file = self.path / f"{len(self.files):04d}.bin"
+            file = self.path / f"{self.part}{len(self.files):04d}.bin"
             self.specs[name]["file"] = file.name
             self.files[name] = open(file, "wb")  # noqa: SIM115 (closed in finish/abort)
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)
         self.files[name].write(t.numpy().tobytes())  # native byte order, as memmap reads it
 
-    def finish(self, meta: dict[str, Any]) -> CachedFeatures:
+    def close(self) -> None:
+        """Close the array files (the manifest is not written)."""
         for f in self.files.values():
             f.close()
+
+    def finish(self, meta: dict[str, Any]) -> CachedFeatures:
+        self.close()
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "arrays": self.specs}
         manifest["meta"] = meta
         tmp = self.path / (MANIFEST + ".tmp")

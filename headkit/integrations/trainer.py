@@ -36,13 +36,17 @@ What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds
 * a training batch whose every loss was left out (``nonfinite_loss="skip"``) is skipped
   (no update) and counted in the logs as ``skipped_batches``.
 
-Under ``torchrun`` Trainer runs DDP itself; only rank 0 writes checkpoints.
+Under ``torchrun`` Trainer runs DDP itself; only rank 0 writes checkpoints. With
+``TrainingArguments(fsdp=...)`` (accelerate's FSDP: CUDA and other accelerators; on the CPU
+it runs DDP instead, with a warning) the checkpoint is written from the full state dict
+Trainer gathers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -57,6 +61,7 @@ from ..errors import ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
 from ..model.labels import loss_heads, route_labels, without_unused_labels
 from ..model.parallel import drop_idle_gradients, join_idle
+from ..model.sharding import is_sharded, plain_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,14 @@ class HeadedTrainer(Trainer):
             raise ConfigError(
                 f"HeadedTrainer: label_smoothing_factor={self.args.label_smoothing_factor} is "
                 "not supported; allowed: 0 (heads compute their own losses)"
+            )
+        if self.args.fsdp and not self.is_fsdp_enabled:
+            warnings.warn(
+                f"HeadedTrainer: TrainingArguments(fsdp={self.args.fsdp!r}) is not applied "
+                f"here: accelerate runs {self.accelerator.distributed_type} instead (its FSDP "
+                "needs CUDA or another accelerator); to shard on the CPU, call "
+                "headkit.shard(model) and train in your own loop (docs/training.md)",
+                stacklevel=2,
             )
         self._head_loss_sums: torch.Tensor | None = None
         self.skipped_batches = 0
@@ -193,15 +206,22 @@ class HeadedTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Write a headkit checkpoint (rank 0 only); a given ``state_dict`` (FSDP, DeepSpeed)
-        falls back to Trainer's own format."""
-        if state_dict is not None:
+        """Write a headkit checkpoint (rank 0 only). Under FSDP Trainer hands over the full
+        state dict it gathered: the checkpoint is written from it; another given
+        ``state_dict`` (DeepSpeed) falls back to Trainer's own format."""
+        headed = self._headed()
+        sharded = is_sharded(headed)
+        if state_dict is not None and not sharded:
             return super()._save(output_dir, state_dict=state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return None
         os.makedirs(output_dir, exist_ok=True)
-        self._headed().save_pretrained(output_dir)
+        if state_dict is not None:
+            with plain_parameters(headed, state_dict):  # full tensors in place of the shards
+                headed.save_pretrained(output_dir)
+        else:
+            headed.save_pretrained(output_dir)
         tokenizer = self.processing_class
         if tokenizer is None:
             tokenizer = getattr(self.data_collator, "tokenizer", None)

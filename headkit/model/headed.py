@@ -47,6 +47,8 @@ from .generation import HeadedGenerationMixin
 from .guards import NonFiniteGuard, ValueChecks
 from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
 from .parallel import freeze_unreached, inside_strict_ddp, join_idle
+from .placement import head_devices, loss_device, on_device_of
+from .sharding import is_sharded, save_sharded
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
 DEFAULT_MAX_HEAD_PARAMETERS = 2**31
@@ -164,12 +166,15 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
             self.head_configs[cfg.name] = cfg
             self._layer_of_head[cfg.name] = self.info.resolve_hook(cfg.layer_hook, cfg.name)
         self._check_targets()
-        device = _device_of(self.backbone)
+        # each head on the device of the block producing its layer (placement.py)
+        devices = head_devices(
+            model, self.backbone, self.info, self._layer_of_head, _device_of(self.backbone)
+        )
         pooler, pooler_size = self.info.pooler, self.info.pooler_size
         budget = self.max_head_parameters
         self.heads = HeadDict(
             {
-                n: build_head(c, pooler_size, pooler, budget).to(device)
+                n: build_head(c, pooler_size, pooler, budget).to(devices[n])
                 for n, c in self.head_configs.items()
             }
         )
@@ -260,7 +265,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                 kwargs = {**{k: v for k, v in scheme.items() if k != "name"}, **kwargs}
                 scheme = scheme.get("name", "fixed")
             self.loss_weighting = build_weighting(scheme, weights, **kwargs)
-        self.loss_weighting.to(_device_of(self.backbone))
+        self.loss_weighting.to(loss_device(self.heads, _device_of(self.backbone)))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -385,19 +390,21 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     def head_inputs(
         self, captured: dict[int, torch.Tensor], mask: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
-        """Each head's input from the hooked states; a parameter-free pooling is computed once
-        per (layer, pooling) and shared by the heads that ask for it."""
+        """Each head's input from the hooked states (moved to the head's device where it sits
+        elsewhere, ``placement.py``); a parameter-free pooling is computed once per (layer,
+        device, pooling) and shared by the heads that ask for it."""
         shared: dict[tuple, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, head in self.heads.items():
             layer = self._layer_of_head[name]
+            hidden = on_device_of(head, captured[layer])
             key = head.pooling_key if isinstance(head, Head) else None
             if key is None:
-                out[name] = head.features(captured[layer], mask)
+                out[name] = head.features(hidden, mask)
                 continue
-            key = (layer, *key)
+            key = (layer, hidden.device, *key)
             if key not in shared:
-                shared[key] = head.features(captured[layer], mask)
+                shared[key] = head.features(hidden, mask)
             out[name] = shared[key]
         return out
 
@@ -420,13 +427,20 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     def combine_losses(
         self, losses: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """Apply the loss weighting and non-finite guard; return (total, adapted by head)."""
+        """Apply the loss weighting and non-finite guard; return (total, adapted by head).
+        The losses are gathered on the first head's device first (``placement.py``)."""
+        device = loss_device(self.heads, _device_of(self.backbone))
+        losses = {k: v.to(device) for k, v in losses.items()}
         return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
         """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
-        backbone carries one, and, unless frozen and unchanged since loading, the backbone."""
+        backbone carries one, and, unless frozen and unchanged since loading, the backbone.
+        A model sharded with FSDP2 is saved by every rank together (``sharding.save_sharded``:
+        rank 0 writes full tensors)."""
+        if is_sharded(self):
+            return save_sharded(self, save_directory, **kwargs)
         save_checkpoint(self, save_directory, **kwargs)
 
     @classmethod

@@ -33,6 +33,8 @@ from ..backbone.sources import describe, load_model, load_tokenizer, tokenizer_s
 from ..config import HeadConfig
 from ..errors import ConfigError
 from ..features import cache_features
+from ..features.shards import balanced_order
+from ..model import ranks
 from ..model.headed import HeadedModel
 from .data import (
     TASKS,
@@ -92,7 +94,9 @@ def probe_layers(
     compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose the L2
     penalty (scores are averaged over them); ``seed`` draws every split. See the module
     docstring for splits and the control task. The backbone is left as it was (requires_grad and
-    train/eval mode).
+    train/eval mode). Under torchrun or ``accelerate launch`` the backbone passes are split
+    over the ranks (``cache_features``) and every rank fits the probes on the gathered
+    features: each returns the results one process would.
     """
     inputs, labels, given = _inputs_and_test_split(inputs, texts, labels, test_inputs, test_labels)
     _check_args(
@@ -103,6 +107,8 @@ def probe_layers(
     settings = _settings(
         seed, val_fraction, max_length, bootstrap, n_examples, given, test_fraction
     )
+    rank, world = ranks.current()  # under torchrun: the backbone passes split over the ranks
+    progress = progress and rank == 0
     lap = _Laps()
     backbone, tokenizer = _backbone_and_tokenizer(model, tokenizer, model_kwargs)
     num_layers = _num_layers(backbone)
@@ -110,7 +116,7 @@ def probe_layers(
     lap("load")
     rows = prepare_rows(tokenizer, inputs, labels, task, max_length)
     lap("tokenize")
-    features = _features(backbone, rows, chosen, poolings, batch_size, progress)
+    features = _features(backbone, rows, chosen, poolings, batch_size, progress, world)
     lap("features")
     test_from = None if given is None else n_examples  # examples from here on: the given split
     split = split_rows(rows, test_fraction, val_fraction, val_splits, seed, test_from)
@@ -297,8 +303,9 @@ def _num_layers(backbone: PreTrainedModel) -> int:
         return probe.hooked_layers()["depth"]
 
 
-def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress) -> dict:
-    """{(pooling or "token", layer): (R, width) float32} from one cached backbone pass."""
+def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress, world) -> dict:
+    """{(pooling or "token", layer): (R, width) float32} from one cached backbone pass (on
+    ``world`` ranks: each runs its share of the batches, and every rank gets them all)."""
     if rows.position is None:
         heads = {
             (p, k): HeadConfig(
@@ -310,7 +317,8 @@ def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress)
     else:
         heads = {("token", k): HeadConfig(f"layer{k}", layer_hook=k, loss_fct=None) for k in layers}
     lengths = torch.tensor([len(e["input_ids"]) for e in rows.examples])
-    order = torch.argsort(lengths, stable=True)  # similar lengths per batch: less padding
+    # similar lengths per batch (less padding); each rank's share holds batches of all lengths
+    order = balanced_order(lengths, batch_size, world)
     with _left_as_it_was(backbone):
         headed = HeadedModel(backbone, list(heads.values()))
         cached = cache_features(
