@@ -4,6 +4,9 @@
 process group is started by headkit itself (``headkit.model.ranks.current``). MODEL_DIR is
 a tiny random BERT with a tokenizer, saved by the test. Each rank runs, in turn:
 
+0. "ddp_runs": tests/model/distributed_worker.py's DDP runs (a custom accelerate loop and
+   HeadedTrainer on an early-exit model, HeadedTrainer on three heads and one global batch),
+   checked by tests/model/ddp_checks.py;
 1. "cache": ``cache_features`` of a frozen GPT-2 with a pooled sequence head and a token
    head, 11 examples of lengths 2..9, batch 2 (6 batches: rows 0-5 on rank 0, 6-10 on rank
    1): in memory (gathered, and ``gather=False``), into one folder, from a DataLoader, with
@@ -30,6 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import distributed_worker
 import torch
 from conftest import build_tiny
 from multiproc import rank, run_rank
@@ -302,7 +306,10 @@ def trainer_on_cpu(out: Path) -> dict[str, Any]:
 
 
 def main(out: Path, model_dir: str) -> dict[str, Any]:
-    report = {"cache": run_cache(out), "probe": run_probe(out, model_dir)}
+    # DDP first (distributed_worker's runs: its accelerate loop starts the process group, as
+    # in a launch of its own), then caching, the probe sweep and FSDP2 in the same group
+    report = {"ddp_runs": distributed_worker.main(out)}
+    report.update(cache=run_cache(out), probe=run_probe(out, model_dir))
     if rank() == 1:  # no collective in it: rank 1 runs it while rank 0 draws the probe plot
         report["trainer"] = trainer_on_cpu(out)
     report["fsdp"] = run_fsdp(out)

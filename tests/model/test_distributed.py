@@ -3,9 +3,10 @@
 With early exit the blocks after the deepest hooked layer never run, so they can never get a
 gradient: HeadedModel freezes them (and the final norm) at construction, warning once.
 
-The two-rank checks share one launch per launcher (tests/multiproc.py: ``torchrun`` and
-``accelerate launch --multi_gpu``, which on a machine without GPUs runs CPU ranks over
-gloo), each running tests/model/distributed_worker.py with DDP's
+The two-rank checks (tests/model/ddp_checks.py) run on one launch per launcher: here
+``accelerate launch --multi_gpu`` (tests/multiproc.py; without GPUs, CPU ranks over gloo);
+under ``torchrun`` they share the one launch of tests/model/test_ranks.py. Each runs
+tests/model/distributed_worker.py with DDP's
 ``find_unused_parameters=False``: a custom accelerate loop and HeadedTrainer with the
 early-exit model, then HeadedTrainer training, evaluating and saving a model whose "aux"
 head never gets labels, which DDP refuses unless HeadedModel puts every head (and learned
@@ -23,8 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import build_tiny
+from ddp_checks import check_early_exit_training, check_two_ranks_match_one_process
 from multiproc import start_ranks
-from safetensors.torch import load_file
 
 from headkit import HeadConfig, HeadedModel
 
@@ -96,10 +97,11 @@ def single(tmp_path_factory) -> tuple[Path, dict]:
 
 @pytest.fixture(
     scope="module",
-    params=["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)],
+    params=[pytest.param("accelerate", marks=pytest.mark.slow)],
 )
 def ranks(request, tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One launch of the worker on two ranks (the reference is computed meanwhile)."""
+    """One launch of the worker on two ranks (the reference is computed meanwhile). Under
+    torchrun the same runs happen in tests/model/test_ranks.py's one launch."""
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with the gloo backend")
     out = tmp_path_factory.mktemp(request.param)
@@ -110,54 +112,9 @@ def ranks(request, tmp_path_factory) -> tuple[Path, list[dict]]:
 
 def test_two_ranks_match_one_process_and_only_rank0_saves(ranks, single) -> None:
     out, reports = ranks
-    single_dir, alone = single
-    ddp = [r["ddp"] for r in reports]
-    assert [r["world_size"] for r in ddp] == [2, 2] and alone["world_size"] == 1
-    assert len(alone["losses"]) == worker.STEPS
-    assert ddp[0]["losses"] == pytest.approx(alone["losses"], rel=1e-5)
-    # evaluation gathers predictions and per-head losses from both ranks
-    evals = ddp[0]["eval"]
-    assert evals.keys() == alone["eval"].keys() and ddp[1]["eval"] == evals
-    assert {"eval_loss", "eval_cls_loss", "eval_tok_loss", "eval_cls_accuracy"} <= evals.keys()
-    for k, v in alone["eval"].items():
-        assert evals[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
-
-    w0, w1 = (load_file(str(out / f"ddp-rank{r}.safetensors")) for r in (0, 1))
-    ws = load_file(str(single_dir / "ddp-rank0.safetensors"))
-    init = {k: v.detach() for k, v in worker.build_ddp_model().head_state_dict().items()}
-    for k in w0:
-        assert torch.equal(w0[k], w1[k]), k  # both ranks hold the same weights
-        torch.testing.assert_close(w0[k], ws[k], rtol=1e-4, atol=1e-6)
-        trained = not torch.equal(w0[k], init[k])
-        assert trained == ("aux" not in k), k  # the unlabelled head got exact zero gradients
-
-    # one checkpoint, written by rank 0 only
-    assert ddp[0]["should_save"] and not ddp[1]["should_save"]
-    ckpt = out / "run" / f"checkpoint-{worker.STEPS}"
-    assert ddp[0]["saves"] == [str(ckpt)] and ddp[1]["saves"] == []
-    run = out / "run"
-    assert [p.name for p in run.iterdir() if p.name.startswith("checkpoint-")] == [ckpt.name]
-    assert len(list(ckpt.glob("heads-*.safetensors"))) == 1
-    loaded = HeadedModel.from_pretrained(ckpt).head_state_dict()
-    for k in w0:
-        assert torch.equal(loaded[k].cpu(), w0[k]), k
+    check_two_ranks_match_one_process(out, reports, *single)
 
 
 def test_two_ranks_train_an_early_exit_model_in_a_custom_loop_and_headed_trainer(ranks) -> None:
     out, reports = ranks
-    init, caught = worker.build_early_exit_model()
-    assert len(caught) == 1 and "2 block(s) after it and ln_f" in caught[0]
-    assert [r["loop"]["distributed_type"] for r in reports] == ["DistributedType.MULTI_CPU"] * 2
-    init_state = {k: v.detach() for k, v in init.state_dict().items()}
-    for mode in ("loop", "trainer"):
-        modes = [r[mode] for r in reports]
-        assert [r["world_size"] for r in modes] == [2, 2], mode
-        assert [r["find_unused_parameters"] for r in modes] == [False, False], mode
-        assert len(modes[0]["losses"]) == worker.STEPS, mode
-        w0, w1 = (load_file(str(out / f"{mode}-rank{r}.safetensors")) for r in (0, 1))
-        for k in w0:
-            assert torch.equal(w0[k], w1[k]), (mode, k)  # both ranks hold the same weights
-        moved = {k for k in w0 if not torch.equal(w0[k], init_state[k])}
-        assert "heads.cls.mlp.0.weight" in moved and "backbone.h.0.attn.c_attn.weight" in moved
-        frozen_parts = ("backbone.h.2.", "backbone.h.3.", "backbone.ln_f.", "heads.aux.")
-        assert not any(k.startswith(frozen_parts) for k in moved), (mode, sorted(moved))
+    check_early_exit_training(out, reports)

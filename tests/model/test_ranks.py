@@ -1,6 +1,7 @@
 """Past one process, on two CPU ranks (gloo) under torchrun, each compared with one process:
-feature caching split across the ranks, a probe sweep split across them, and a HeadedModel
-sharded with FSDP2 (trained, saved, loaded).
+feature caching split across the ranks, a probe sweep split across them, a HeadedModel
+sharded with FSDP2 (trained, saved, loaded), and DDP (tests/model/distributed_worker.py's
+runs, checked by tests/model/ddp_checks.py; test_distributed.py runs them under accelerate).
 
 Every two-rank scenario runs in ONE launch of tests/model/ranks_worker.py (its docstring
 lists them); the reference is computed in this process, on one thread, while the ranks run.
@@ -12,11 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import distributed_worker
 import pytest
 import ranks_worker as worker
 import torch
 import torch.distributed as dist
 from conftest import build_tiny
+from ddp_checks import check_early_exit_training, check_two_ranks_match_one_process
 from multiproc import start_ranks
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
@@ -26,6 +29,7 @@ from headkit import HeadedCollator, HeadedModel, cache_features
 from headkit.packaged import minilm_path
 
 WORKER = Path(worker.__file__)
+N_DDP = distributed_worker.N_EXAMPLES  # the DDP run's global batch, in one process
 
 
 def _single(out: Path, model_dir: Path) -> dict:
@@ -44,6 +48,7 @@ def _single(out: Path, model_dir: Path) -> dict:
         "probe": worker.probe_json(str(model_dir)),
         "losses": worker.train(trained, slice(0, worker.GLOBAL_BATCH)),
         "preds": worker.predictions(trained),
+        "ddp": (out, distributed_worker.train_eval_save(out, N_DDP)),
     }
 
 
@@ -192,3 +197,14 @@ def test_trainer_fsdp_on_cpu_ranks_runs_ddp_and_says_so(launch):
     assert len(trainer["warnings"]) == 1
     assert "TrainingArguments(fsdp=True) is not applied here" in trainer["warnings"][0]
     assert "headkit.shard(model)" in trainer["warnings"][0]
+
+
+# ---------------------------------------------------------------------- DDP (torchrun)
+def test_ddp_on_two_ranks_matches_one_process_and_only_rank0_saves(launch):
+    out, reports, single = launch
+    check_two_ranks_match_one_process(out, [r["ddp_runs"] for r in reports], *single["ddp"])
+
+
+def test_ddp_on_two_ranks_trains_an_early_exit_model_in_a_loop_and_headed_trainer(launch):
+    out, reports, _ = launch
+    check_early_exit_training(out, [r["ddp_runs"] for r in reports])
