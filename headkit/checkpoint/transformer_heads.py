@@ -238,7 +238,7 @@ class TransformerHeadsCheckpoint:
         config.layers_to_transform = config.layers_pattern = config.exclude_modules = None
         config.fan_in_fan_out = all(isinstance(m, Conv1D) for m in modules)
         config.modules_to_save = None
-        _inject(backbone, config, "default", trainable, self.where)
+        _inject(backbone, config, "default", trainable, self.where, state)
         _load_state(backbone, state, "default", self.where)
 
     # ------------------------------------------------------------------ heads
