@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--atol", type=float, default=1e-4, help="verification tolerance (1e-4)")
     p.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's)")
+    p.add_argument(
+        "--exporter",
+        choices=("auto", "dynamo", "torchscript"),
+        default="auto",
+        help="onnx: torch's dynamo exporter, the TorchScript one where it fails (auto, the "
+        "default), or either alone",
+    )
     p.add_argument("--pad-token-id", type=int, help="transformers, decoders: the pad id")
     add_quiet(p)
 
@@ -48,7 +55,7 @@ def run(args: argparse.Namespace) -> None:
     check_export_folder(args)
     options: dict = {"atol": args.atol}
     if args.format == "onnx":
-        options.update(heads=args.head, opset=args.opset)
+        options.update(heads=args.head, opset=args.opset, exporter=args.exporter)
         result = export(args.checkpoint, args.output, "onnx", **options)
         print(
             f"wrote {result.graph} ({result.exporter} exporter, {result.blocks} of "
