@@ -29,6 +29,7 @@ from .modalities import (
     has_cls_token,
     main_input_of,
     modality_of,
+    recorded_block_classes,
     stack_length,
     stack_ties_last,
 )
@@ -226,9 +227,17 @@ def _find_layers(
             )
         return layers_path, found
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    recorded = recorded_block_classes(model)
+    if prefer:
+        recorded += recorded_block_classes(model.get_submodule(prefer))
+
+    def rank(item: tuple[str, nn.ModuleList]) -> tuple[bool, bool, int]:
+        name, stack = item
+        blocks = bool(recorded) and all(isinstance(b, recorded) for b in stack)
+        return (bool(prefer) and not name.startswith(f"{prefer}."), not blocks, name.count("."))
+
     exact = sorted(
-        ((n, m) for n, m in lists if n_layers is not None and len(m) == n_layers),
-        key=lambda nm: (bool(prefer) and not nm[0].startswith(f"{prefer}."), nm[0].count(".")),
+        ((n, m) for n, m in lists if n_layers is not None and len(m) == n_layers), key=rank
     )
     if not exact:
         found = ", ".join(f"{n} ({len(m)})" for n, m in lists[:10]) or "none"

@@ -134,6 +134,16 @@ def _method(backbone: nn.Module, name: str) -> Any:
     return found
 
 
+def recorded_block_classes(module: nn.Module) -> tuple[type, ...]:
+    """The block classes whose outputs the model itself records as ``hidden_states`` (its
+    ``_can_record_outputs``): the block stack is a list of those (not, say, wav2vec2's list
+    of convolutions of the same length)."""
+    spec = (getattr(type(module), "_can_record_outputs", None) or {}).get("hidden_states")
+    specs = spec if isinstance(spec, (list, tuple)) else [spec]
+    classes = [getattr(s, "target_class", s) for s in specs]
+    return tuple(c for c in classes if isinstance(c, type))
+
+
 def computes_own_positions(backbone: nn.Module) -> bool:
     """Whether the model numbers positions itself from its images (Qwen2-VL's multimodal
     rotary positions): headkit then passes no ``position_ids`` of its own."""
