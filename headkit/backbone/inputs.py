@@ -126,7 +126,9 @@ def prepare_inputs(
     else:
         inputs = _token_inputs(backbone, info, batch, extras, check)
     if info.decoder is not None:
-        inputs.decoder_kwargs, inputs.decoder_mask = _decoder_inputs(backbone, info, batch, check)
+        inputs.decoder_kwargs, inputs.decoder_mask = prepare_decoder_inputs(
+            backbone, info, batch, check
+        )
     return inputs
 
 
@@ -213,7 +215,7 @@ def _call_kwargs(
     return inputs
 
 
-def _decoder_inputs(
+def prepare_decoder_inputs(
     backbone: PreTrainedModel, info: BackboneInfo, batch: Mapping[str, Any], check: bool
 ) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
     """An encoder–decoder model's decoder kwargs (its own names) and the mask over its new

@@ -207,6 +207,26 @@ def stack_length(config: Any, stack: str) -> int | None:
     return None
 
 
+def language_model_class(config: Any) -> type:
+    """The Auto class of the model with an LM head for ``config``: sequence-to-sequence
+    (T5, BART), speech-to-text (Whisper), image-text-to-text (Llava, Qwen2-VL), else causal.
+    (``AutoModelForCausalLM`` of an encoder–decoder config would build its decoder alone.)"""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = getattr(config, "model_type", None)
+    causal = model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    for names, cls, unless_causal in (
+        ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM", False),
+        ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "AutoModelForSpeechSeq2Seq", False),
+        ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "AutoModelForImageTextToText", True),
+    ):
+        found = model_type in getattr(auto, names, {}) and hasattr(transformers, cls)
+        if found and not (unless_causal and causal):
+            return getattr(transformers, cls)
+    return transformers.AutoModelForCausalLM
+
+
 def lm_logits_rule(task_model: nn.Module) -> tuple[float, torch.Tensor | None]:
     """How a task model turns its last hidden state into logits beyond its LM head:
     (a factor on the states, a bias added after): T5's ``scale_decoder_outputs``
