@@ -172,7 +172,13 @@ TINY.update(
         "t5": TinyArch(
             "T5Config",
             "T5ForConditionalGeneration",
-            {"d_kv": 8, "d_ff": 64, "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
+            {
+                "d_kv": 8,
+                "d_ff": 64,
+                "pad_token_id": 0,
+                "eos_token_id": 1,
+                "decoder_start_token_id": 0,
+            },
             ("dropout_rate",),
             layers=("num_layers", "num_decoder_layers"),
         ),

@@ -169,7 +169,11 @@ def test_generate_with_decoder_heads_gives_the_models_tokens(arch: str, task) ->
     plain = model(**batch, decoder_input_ids=out.sequences)
     torch.testing.assert_close(out.head_outputs["value"], plain.preds_by_head["value"][:, 1:])
     torch.testing.assert_close(out.head_outputs["summary"], plain.preds_by_head["summary"])
-    logprobs = plain.preds_by_head["lm_head"][:, :-1].log_softmax(-1).gather(-1, out.sequences[:, 1:, None])
+    logprobs = (
+        plain.preds_by_head["lm_head"][:, :-1]
+        .log_softmax(-1)
+        .gather(-1, out.sequences[:, 1:, None])
+    )
     torch.testing.assert_close(out.token_logprobs, logprobs[..., 0])
     encoder_head = [*heads, HeadConfig("enc", pred_for_sequence=True)]
     with pytest.raises(ConfigError, match=r"\['enc'\] read the encoder"):
