@@ -193,7 +193,11 @@ TINY.update(
             "LlavaConfig",
             "LlavaForConditionalGeneration",
             {
-                "vision_config": {"model_type": "clip_vision_model", **_VIT},
+                "vision_config": {
+                    "model_type": "clip_vision_model",
+                    "num_hidden_layers": 2,
+                    **_VIT,
+                },
                 "image_token_id": IMAGE_TOKEN,
                 "vision_feature_layer": -1,
                 "projector_hidden_act": "gelu",

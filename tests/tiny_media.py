@@ -90,7 +90,8 @@ def llava_processor() -> LlavaProcessor:
         image_processor=clip_image_processor(),
         tokenizer=vlm_tokenizer(),
         patch_size=PATCH,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy="default",  # the CLS token dropped ...
+        num_additional_image_tokens=1,  # ... from the patches and the CLS token
     )
 
 

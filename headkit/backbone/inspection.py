@@ -400,8 +400,9 @@ def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
     """Install transformers' own output-capturing hooks now, as its first
     ``output_hidden_states=True`` call would: under torch.compile heads below the last layer
     read ``hidden_states``, and hooks cannot be installed inside a traced graph. They do
-    nothing unless hidden states are asked for. Each stack's runner gets them (a
-    vision-language model's language model, an encoder–decoder model's two stacks)."""
+    nothing unless hidden states are asked for. Each stack's runner gets them (an
+    encoder–decoder model's two stacks); every part of a vision-language model does (its
+    vision tower records its states whatever the heads read)."""
     try:
         from transformers.utils import output_capturing as oc
     except ImportError:  # transformers < 5.2.0: hidden_states without hooks
@@ -409,6 +410,11 @@ def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
     registry = getattr(oc, "_CAN_RECORD_REGISTRY", None)
     install = getattr(oc, "maybe_install_capturing_hooks", None)
     if registry is None or install is None:
+        return
+    if info.modality == "vision-language":  # its vision tower always records its states
+        for module in model.modules():
+            if isinstance(module, PreTrainedModel) and registry.get(module).get("hidden_states"):
+                install(module)
         return
     for runner, stack in stack_runners(model, info):
         keys = {
@@ -418,10 +424,5 @@ def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
         }
         if keys <= {stack.num_layers + 1} or (keys <= {stack.num_layers} and stack.tie_last):
             continue
-        modules = [runner]
-        inner = getattr(runner, "get_decoder", None) if info.modality == "vision-language" else None
-        if inner is not None:
-            modules.append(inner())
-        for module in modules:
-            if registry.get(module).get("hidden_states"):
-                install(module)
+        if registry.get(runner).get("hidden_states"):
+            install(runner)

@@ -26,6 +26,7 @@ from transformers.utils import ModelOutput
 
 from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
+from .labels import with_keywords
 from .recording import Recorder, stitch, until_eos
 from .seq2seq import Seq2SeqDriver
 
@@ -172,6 +173,12 @@ class _Plan:
 
 
 def _plan(model: HeadedModel, ignore: set[str], lm_name: str | None) -> _Plan:
+    if model.info.own_positions:
+        raise ConfigError(
+            f"generate with heads does not support {type(model.backbone).__name__}, which "
+            "numbers positions from its images itself (multimodal rotary positions); run "
+            "forward on the generated sequences instead"
+        )
     if not model.info.is_decoder and not model.info.encoder_decoder:
         raise ConfigError(
             f"generate needs a decoder-only backbone; {type(model.backbone).__name__} is "
@@ -312,6 +319,7 @@ class _HeadedDriver:
         self.recorder = Recorder()
         self.final_step = False
         self.batch_size: int | None = None  # rows of the first forward (prompts)
+        self.forward = with_keywords(self.forward, headed.info.extra_inputs)  # pixel_values...
         self.prompt_length: int | None = None  # an encoder–decoder model's decoder start
 
     def forward(
@@ -341,6 +349,10 @@ class _HeadedDriver:
             "use_cache": use_cache,
             **flags,
         }
+        if past == 0:  # a vision-language model's images, with the prompt only
+            own = headed.info.extra_inputs
+            given = {k: v for k, v in kwargs.items() if k in own and v is not None}
+            batch.update({k: v for k, v in given.items() if not isinstance(v, dict) or v})
         inputs = prepare_inputs(headed.backbone, headed.info, batch, check=False)
         layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
         # Stop after the deepest needed block: a step needs the cache object it was given

@@ -241,6 +241,31 @@ class ForwardWithTargets(functools.partial):
         return sig.replace(parameters=params + var_kw)
 
 
+class _ForwardWithNames(functools.partial):
+    """A bound ``forward`` whose signature also lists ``names`` as keyword-only parameters."""
+
+    names: tuple[str, ...] = ()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        sig = inspect.signature(self.func)
+        params = list(sig.parameters.values())
+        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        taken = {p.name for p in params} | {p.name for p in var_kw}
+        params += [_keyword(n) for n in self.names if n not in taken]
+        return sig.replace(parameters=params + var_kw)
+
+
+def with_keywords(forward: Any, names: Iterable[str]) -> Any:
+    """``forward`` whose signature names ``names`` too (they still arrive through its
+    ``**kwargs``): transformers' ``generate`` checks its keyword arguments against the
+    signature, and a vision-language model's ``pixel_values`` must pass."""
+    wrapped = _ForwardWithNames(forward)
+    wrapped.names = tuple(names)
+    return wrapped
+
+
 def _keyword(name: str) -> inspect.Parameter:
     """A keyword-only parameter named ``name``, even when it is no Python identifier
     ("my-head", "class"): such a target is still passed as ``**{name: ...}``, and HF

@@ -225,3 +225,14 @@ def test_an_encoder_decoder_checkpoint_reloads_exactly(tmp_path) -> None:
     reloaded = HeadedModel.from_pretrained(tmp_path / "ckpt")
     got = reloaded(**batch).preds_by_head
     assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
+    torch._dynamo.reset()
+    heads = [h for h in _heads("encoder") + _heads("decoder") if h.layer_hook == 1]
+    model = HeadedModel(build_tiny("t5", LAYERS), heads, check_inputs=False)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    batch = _batch("t5")
+    got, want = compiled(**batch), model(**batch)
+    for name in want.preds_by_head:
+        torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])

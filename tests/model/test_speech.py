@@ -181,3 +181,14 @@ def test_audio_is_checked_before_the_model_runs() -> None:
         BatchError, match=r"has 4 at dim 1, but the model's config has num_mel_bins=8"
     ):
         whisper(input_features=torch.randn(1, 4, MEL_FRAMES))
+
+
+def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
+    torch._dynamo.reset()
+    heads = [h for h in _heads() if h.layer_hook == 1]
+    model = HeadedModel(build_tiny("wav2vec2", LAYERS), heads, check_inputs=False)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    batch = _padded_audio()
+    got, want = compiled(**batch), model(**batch)
+    for name in want.preds_by_head:
+        torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])

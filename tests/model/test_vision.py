@@ -199,3 +199,15 @@ def test_trainer_learns_a_head_from_processed_images(tmp_path) -> None:
     model.eval()
     after = model(pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
     assert after < before
+
+
+def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
+    """Under torch.compile a head below the last layer reads ``hidden_states`` through the
+    capture hooks HeadedModel installed beforehand (hooks cannot be added inside a graph)."""
+    torch._dynamo.reset()
+    model = HeadedModel(build_tiny("vit", LAYERS), _every_layer()[4:8], check_inputs=False)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    pixels = _images(2)
+    got, want = compiled(pixel_values=pixels), model(pixel_values=pixels)
+    for name in want.preds_by_head:
+        torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
