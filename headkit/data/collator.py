@@ -117,7 +117,9 @@ class HeadedCollator:
                 raise BatchError(
                     f"HeadedCollator: feature {i} is a {type(f).__name__}; expected a dict"
                 )
-            if "input_ids" not in f and not any(f.get(k) is not None for k in self._signals):
+        signals = any(f.get(k) is not None for f in features for k in self._signals)
+        for i, f in enumerate(features):
+            if "input_ids" not in f and not signals:  # images or audio: checked with them
                 raise BatchError(
                     f"HeadedCollator: feature {i} has no 'input_ids' (keys: {sorted(f)})"
                 )

@@ -12,7 +12,7 @@ from conftest import MEL_BINS, MEL_FRAMES, build_tiny
 from tiny_media import assert_heads_match_hf
 from transformers import GenerationMixin
 
-from headkit import BatchError, ConfigError, HeadConfig, HeadedModel, load_headed
+from headkit import BatchError, ConfigError, HeadConfig, HeadedModel, cache_features, load_headed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -236,3 +236,35 @@ def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
     got, want = compiled(**batch), model(**batch)
     for name in want.preds_by_head:
         torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
+
+
+def test_cached_features_of_both_stacks_equal_forward() -> None:
+    heads = [
+        HeadConfig("enc", layer_hook=1, pred_for_sequence=True, pooling="mean", num_outputs=2),
+        HeadConfig("dec", layer_hook=1, pred_for_sequence=True, stack="decoder", num_outputs=2),
+    ]
+    model = HeadedModel(build_tiny("bart", LAYERS), heads)
+    batch = _batch("bart")
+    examples = [
+        {
+            "input_ids": batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist(),
+            "decoder_input_ids": batch["decoder_input_ids"][i][
+                batch["decoder_attention_mask"][i].bool()
+            ].tolist(),
+            "enc": i,
+            "dec": 1 - i,
+        }
+        for i in range(2)
+    ]
+    cached = cache_features(model, examples, batch_size=2, progress=False)
+    out = model(**batch)
+    for name in ("enc", "dec"):
+        features = torch.as_tensor(cached.features(name))
+        torch.testing.assert_close(
+            model.heads[name].from_features(features), out.preds_by_head[name]
+        )
+    tagger = HeadedModel(
+        build_tiny("bart", LAYERS), [HeadConfig("tags", stack="decoder", num_outputs=2)]
+    )
+    with pytest.raises(ConfigError, match=r"head 'tags' reads the decoder per position"):
+        cache_features(tagger, examples, progress=False)

@@ -192,3 +192,15 @@ def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
     got, want = compiled(**batch), model(**batch)
     for name in want.preds_by_head:
         torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
+
+
+def test_audio_examples_must_be_one_sequence_each() -> None:
+    model = HeadedModel(
+        build_tiny("wav2vec2", 2), [HeadConfig("tone", num_outputs=2, pred_for_sequence=True)]
+    )
+    with pytest.raises(
+        BatchError, match=r"feature 1 has input_values of shape \(2, 400\); expected one"
+    ):
+        HeadedCollator(model)(
+            [{"input_values": np.zeros(400)}, {"input_values": np.zeros((2, 400))}]
+        )

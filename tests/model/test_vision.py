@@ -12,7 +12,15 @@ from conftest import IMAGE_SIZE, build_tiny
 from tiny_media import assert_heads_match_hf, image_processor, planted_images
 from transformers import TrainingArguments
 
-from headkit import BatchError, HeadConfig, HeadedCollator, HeadedModel, HeadedTrainer, load_headed
+from headkit import (
+    BatchError,
+    ConfigError,
+    HeadConfig,
+    HeadedCollator,
+    HeadedModel,
+    HeadedTrainer,
+    load_headed,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -211,3 +219,28 @@ def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
     got, want = compiled(pixel_values=pixels), model(pixel_values=pixels)
     for name in want.preds_by_head:
         torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
+
+
+def test_last_hidden_state_reads_the_output_so_it_takes_no_other_layer() -> None:
+    with pytest.raises(ConfigError, match=r"layer_hook=2 is invalid; last_hidden_state=True reads"):
+        HeadConfig("h", layer_hook=2, last_hidden_state=True)
+    # where hidden_states[-1] is the output already (BERT), it is the same state
+    bert = HeadedModel(build_tiny("bert", 2), [HeadConfig("h", last_hidden_state=True)])
+    assert bert.hooked_layers() == {"h": 2}
+
+
+def test_image_examples_that_cannot_be_batched_are_refused() -> None:
+    model = HeadedModel(
+        build_tiny("vit", 2), [HeadConfig("c", num_outputs=2, pred_for_sequence=True)]
+    )
+    collate = HeadedCollator(model)
+    small, big = torch.zeros(3, 16, 16), torch.zeros(3, 32, 32)
+    with pytest.raises(
+        BatchError, match=r"pixel_values of different shapes \[\(3, 16, 16\), \(3, 32, 32\)\]"
+    ):
+        collate([{"pixel_values": small, "c": 0}, {"pixel_values": big, "c": 1}])
+    with pytest.raises(BatchError, match=r"feature 1 has no 'pixel_values', but feature 0 has"):
+        collate([{"pixel_values": big, "c": 0}, {"c": 1}])
+    with pytest.raises(BatchError, match=r"target 'c' is read per token, but the examples have no"):
+        tagger = HeadedModel(build_tiny("vit", 2), [HeadConfig("c", num_outputs=2)])
+        HeadedCollator(tagger)([{"pixel_values": big, "c": [0, 1]}])

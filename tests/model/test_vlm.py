@@ -226,3 +226,12 @@ def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
     got, want = compiled(**inputs), model(**inputs)
     for name in want.preds_by_head:
         torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
+
+
+def test_generate_refuses_a_model_that_numbers_positions_from_its_images() -> None:
+    model = HeadedModel(
+        build_tiny("qwen2-vl", 2, task="image-text-to-text"),
+        [HeadConfig("lm_head", is_causal_lm=True)],
+    )
+    with pytest.raises(ConfigError, match=r"generate with heads does not support Qwen2VLModel"):
+        model.generate(**_qwen_batch(), max_new_tokens=2)
