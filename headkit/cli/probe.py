@@ -33,6 +33,8 @@ EXAMPLE = """example:
       --label-column label --layers all --pooling mean,first --control --val-splits 3 \\
       --output runs/probe
   headkit probe --model ./my-bert --data pos.jsonl --task token --layers -4: --output runs/pos
+  headkit probe --model ./my-vit --data images.csv --image-column path --output runs/vit
+  headkit probe --model ./my-wav2vec2 --data clips.csv --audio-column wav --output runs/w2v
 writes DIR/probe_results.json (held-out "accuracy" or "r2" per layer) and DIR/probe_results.png"""
 
 
@@ -41,6 +43,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--model", required=True, help="path, hub id, packaged:minilm or packaged:smollm2")
     add("--data", required=True, help=DATA_HELP)
     add("--text-column", default="text", help="default: text (token task: the words)")
+    media = p.add_mutually_exclusive_group()
+    media.add_argument(
+        "--image-column",
+        help="probe images instead of texts: a column of image paths (relative to the data "
+        "file's folder) or a datasets Image column, read by the model folder's image processor",
+    )
+    media.add_argument(
+        "--audio-column",
+        help="probe audio instead of texts: a column of WAV paths (relative to the data "
+        "file's folder) or a datasets Audio column, read by the model folder's feature extractor",
+    )
     add("--label-column", default="label", help="default: label (token task: one per word)")
     add("--task", default="classification", choices=("classification", "regression", "token"))
     # no string default: argparse would convert it (importing torch) before a usage error
@@ -74,18 +87,25 @@ def run(args: argparse.Namespace) -> None:
     from .datafiles import as_list, as_number, read_rows, require_columns
 
     rows = read_rows(args.data, args.limit)
-    wanted = {"--text-column": args.text_column, "--label-column": args.label_column}
-    require_columns(rows, wanted, args.data)
-    tc, lc = args.text_column, args.label_column
-    if args.task == "token":
+    option, tc = "--text-column", args.text_column
+    if args.image_column or args.audio_column:
+        option = "--image-column" if args.image_column else "--audio-column"
+        tc = args.image_column or args.audio_column
+    require_columns(rows, {option: tc, "--label-column": args.label_column}, args.data)
+    lc = args.label_column
+    if args.task == "token" and option == "--text-column":
         texts = [as_list(r[tc], tc, i) for i, r in enumerate(rows)]
         labels = [[as_class(v) for v in as_list(r[lc], lc, i)] for i, r in enumerate(rows)]
     else:
-        texts = [str(r[tc]) for r in rows]
-        if args.task == "classification":
-            labels = [as_class(r[lc]) for r in rows]
-        else:
+        if option == "--text-column":
+            texts = [str(r[tc]) for r in rows]
+        else:  # images or audio: paths beside the data file, or datasets cells
+            audio = option == "--audio-column"
+            texts = [_media_cell(r[tc], Path(args.data).parent, audio) for r in rows]
+        if args.task == "regression":
             labels = [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
+        else:
+            labels = [as_class(r[lc]) for r in rows]
     options = {"l2": args.l2} if args.l2 else {}
     results = probe_layers(
         args.model,
@@ -106,6 +126,20 @@ def run(args: argparse.Namespace) -> None:
     )
     print(results.table())
     write_results(results, Path(args.output))
+
+
+def _media_cell(value: object, base: Path, audio: bool) -> object:
+    """An image or audio cell: a path (relative paths found beside the data file) or what a
+    ``datasets`` Image / Audio column holds (an Audio cell's bytes decoded here, so that it
+    is not taken for an image)."""
+    if isinstance(value, str) and not Path(value).is_absolute() and not Path(value).exists():
+        return str(base / value)
+    if audio and isinstance(value, dict) and value.get("bytes") and "array" not in value:
+        from ..data.media import read_audio
+
+        samples, rate = read_audio(value["bytes"])
+        return {"array": samples, "sampling_rate": rate}
+    return value
 
 
 def write_results(results: ProbeResults, out: Path) -> None:

@@ -11,6 +11,7 @@
   ``decoder_attention_mask``;
 - a per-token input of an example's ``input_ids`` length (Qwen2-VL's ``mm_token_type_ids``)
   is padded as the token inputs are, with 0;
+- a mask that comes with spectrograms (Whisper's ``input_features``) is stacked;
 - images and anything else are stacked, one item per example (``pixel_values`` of shape
   (channels, height, width)), or concatenated when examples hold several items each (a
   processor's (images, channels, height, width), Qwen2-VL's flattened patches and
@@ -105,6 +106,11 @@ def collate_signals(
             out[key] = pad(tensors, 0)
         else:
             out[key] = _stack_or_concatenate(key, tensors)
+    masks = [f.get("attention_mask") for f in features]
+    if lengths is None and out and "attention_mask" not in out and None not in masks:
+        # a spectrogram's frame mask (Whisper's feature extractor): one row per example
+        rows = [_tensor(m, "attention_mask", i) for i, m in enumerate(masks)]
+        out["attention_mask"] = _stack_or_concatenate("attention_mask", rows).long()
     return out
 
 

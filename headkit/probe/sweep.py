@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from ..backbone.sources import describe, load_model, load_tokenizer, tokenizer_source
 from ..config import HeadConfig
+from ..data.media import encode_media, input_kind, load_processor
 from ..errors import ConfigError
 from ..features import cache_features
 from ..model.headed import HeadedModel
@@ -38,6 +39,7 @@ from .data import (
     TASKS,
     ProbeRows,
     control_labels,
+    media_rows,
     parse_layers,
     parse_poolings,
     prepare_rows,
@@ -62,6 +64,7 @@ def probe_layers(
     pooling: str | Sequence[str] | None = None,
     task: str = "classification",
     tokenizer: Any = None,
+    processor: Any = None,
     control: bool = False,
     val_splits: int = 1,
     seed: int = 0,
@@ -80,19 +83,21 @@ def probe_layers(
 
     ``model``: a path or hub id (``AutoModel``; ``model_kwargs`` go to ``from_pretrained``, e.g.
     ``{"gguf_file": ...}``), ``packaged:minilm``/``packaged:smollm2``, a ``PreTrainedModel`` or
-    a ``HeadedModel`` (its backbone is used). ``tokenizer`` defaults to the one stored with the
-    model. ``inputs`` are texts (``texts=`` is the same argument by its older name). ``task``:
-    "classification" (``labels`` one class per input), "regression" (one number per input) or
-    "token" (``inputs`` are lists of words or whitespace-separated strings, ``labels`` one class
-    per word; a word's label goes to its first sub-token). ``test_inputs``/``test_labels``:
-    score on this given split (an official test set) instead of holding out ``test_fraction`` of
-    ``inputs``; validation splits are still taken from ``inputs``, and ``n_test`` counts the
-    given split's rows. ``layers`` index ``hidden_states`` as ``output_hidden_states=True`` does
-    (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several to
-    compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose the L2
-    penalty (scores are averaged over them); ``seed`` draws every split. See the module
-    docstring for splits and the control task. The backbone is left as it was (requires_grad and
-    train/eval mode).
+    a ``HeadedModel`` (its backbone is used). ``inputs`` are texts (``texts=`` is the same
+    argument by its older name), images (PIL images, arrays, paths, ``datasets`` Image cells) or
+    audio (1-D sample arrays at the processor's rate, WAV paths, ``datasets`` Audio cells;
+    ``headkit.data.media``). ``tokenizer`` (texts) and ``processor`` (images, audio) default to
+    those stored with the model. ``task``: "classification" (``labels`` one class per input),
+    "regression" (one number per input) or "token" (``inputs`` are lists of words or
+    whitespace-separated strings, ``labels`` one class per word; a word's label goes to its
+    first sub-token). ``test_inputs``/``test_labels``: score on this given split (an official
+    test set) instead of holding out ``test_fraction`` of ``inputs``; validation splits are still
+    taken from ``inputs``, and ``n_test`` counts the given split's rows. ``layers`` index
+    ``hidden_states`` as ``output_hidden_states=True`` does (see ``parse_layers``); ``pooling``
+    (sequence tasks, default "mean") may name several to compare (see ``parse_poolings``).
+    ``val_splits`` validation splits choose the L2 penalty (scores are averaged over them);
+    ``seed`` draws every split. See the module docstring for splits and the control task. The
+    backbone is left as it was (requires_grad and train/eval mode).
     """
     inputs, labels, given = _inputs_and_test_split(inputs, texts, labels, test_inputs, test_labels)
     _check_args(
@@ -104,11 +109,12 @@ def probe_layers(
         seed, val_fraction, max_length, bootstrap, n_examples, given, test_fraction
     )
     lap = _Laps()
-    backbone, tokenizer = _backbone_and_tokenizer(model, tokenizer, model_kwargs)
+    kind = input_kind(inputs)
+    backbone, tokenizer = _backbone_and_tokenizer(model, tokenizer, model_kwargs, kind, processor)
     num_layers = _num_layers(backbone)
     chosen = parse_layers(layers, num_layers)
     lap("load")
-    rows = prepare_rows(tokenizer, inputs, labels, task, max_length)
+    rows = _rows(tokenizer, inputs, labels, task, max_length, kind)
     lap("tokenize")
     features = _features(backbone, rows, chosen, poolings, batch_size, progress)
     lap("features")
@@ -254,9 +260,31 @@ def _check_args(
         raise ConfigError(f"got {len(texts)} inputs but {len(labels)} labels; one label per input")
 
 
-def _backbone_and_tokenizer(model: Any, tokenizer: Any, model_kwargs: Any) -> tuple[Any, Any]:
+def _rows(encoder: Any, inputs: list, labels: list, task: str, max_length: int, kind: str) -> Any:
+    """The sweep's rows: texts tokenized, or images and audio through the processor (each
+    input's path, else its index, names it for the control task)."""
+    if kind == "text":
+        return prepare_rows(encoder, inputs, labels, task, max_length)
+    keys = [str(x) if isinstance(x, (str, os.PathLike)) else f"#{i}" for i, x in enumerate(inputs)]
+    return media_rows(encode_media(encoder, inputs, kind), keys, labels, task)
+
+
+def _backbone_and_tokenizer(
+    model: Any, tokenizer: Any, model_kwargs: Any, kind: str = "text", processor: Any = None
+) -> tuple[Any, Any]:
+    """(the backbone, what encodes the inputs: the tokenizer for texts, the processor for
+    images and audio), each loaded from the model's folder unless given."""
     if isinstance(model, HeadedModel):
         model = model.backbone
+    if kind != "text":
+        source = model if isinstance(model, (str, os.PathLike)) else tokenizer_source(model)
+        backbone = load_model(model, model_kwargs) if source is model else model
+        if processor is None and source is None:
+            raise ConfigError(
+                f"processor=None, and {type(model).__name__} was not loaded from a local "
+                f"folder to read one from; pass processor= for {kind} inputs"
+            )
+        return backbone, processor or load_processor(source, kind)
     if isinstance(model, (str, os.PathLike)):
         backbone = load_model(model, model_kwargs)
         return backbone, tokenizer or load_tokenizer(model, model_kwargs)
@@ -310,7 +338,7 @@ def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress)
         }
     else:
         heads = {("token", k): HeadConfig(f"layer{k}", layer_hook=k, loss_fct=None) for k in layers}
-    lengths = torch.tensor([len(e["input_ids"]) for e in rows.examples])
+    lengths = torch.tensor([_length(e) for e in rows.examples])
     order = torch.argsort(lengths, stable=True)  # similar lengths per batch: less padding
     with _left_as_it_was(backbone):
         headed = HeadedModel(backbone, list(heads.values()))
@@ -329,6 +357,14 @@ def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress)
         starts[order] = torch.cumsum(lengths[order], 0) - lengths[order]
         rows_index = starts[rows.example] + rows.position  # cache token of each labelled word
     return {key: cached.features(cfg.name)[rows_index].float() for key, cfg in heads.items()}
+
+
+def _length(example: dict) -> int:
+    """Tokens (or audio samples) of an example: batches of similar lengths pad less."""
+    for key in ("input_ids", "input_values"):
+        if key in example:
+            return len(example[key])
+    return 0
 
 
 def _train_probes(
