@@ -29,6 +29,8 @@ from ..errors import CheckpointError, ConfigError
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
 KINDS = ("text", "image", "audio")
+#: Images an image processor is given at once.
+CHUNK = 64
 
 
 def input_kind(items: Sequence[Any]) -> str:
@@ -132,14 +134,20 @@ def load_processor(source: str | os.PathLike, kind: str) -> Any:
 
 
 def encode_media(processor: Any, items: Sequence[Any], kind: str) -> list[dict[str, Any]]:
-    """One example of model inputs per image or clip, through ``processor``."""
+    """One example of model inputs per image or clip, through ``processor`` (images in
+    chunks of ``CHUNK``, each clip alone: its normalisation is per clip)."""
     examples = []
+    if kind == "image":
+        for start in range(0, len(items), CHUNK):
+            chunk = [_image(x, start + i) for i, x in enumerate(items[start : start + CHUNK])]
+            encoded = processor(images=chunk, return_tensors="np")
+            examples += [
+                {k: np.asarray(v)[i] for k, v in encoded.items()} for i in range(len(chunk))
+            ]
+        return examples
+    rate = int(getattr(processor, "sampling_rate", 16_000))
     for i, item in enumerate(items):
-        if kind == "image":
-            encoded = processor(images=_image(item, i), return_tensors="np")
-        else:
-            rate = int(getattr(processor, "sampling_rate", 16_000))
-            encoded = processor(_audio(item, rate, i), sampling_rate=rate, return_tensors="np")
+        encoded = processor(_audio(item, rate, i), sampling_rate=rate, return_tensors="np")
         example = {k: np.asarray(v)[0] for k, v in encoded.items()}
         if "input_values" in example:  # raw samples: the collator pads them and builds the mask
             example.pop("attention_mask", None)
