@@ -5,7 +5,7 @@ Setting: random models built from configs, 2 threads, one process:
             ``--images`` random images with a planted colour label, processed by ViT's image
             processor (its PIL backend)
   wav2vec2  12 layers, hidden 256, 4 heads, wav2vec2-base's feature encoder (7 convolutions,
-            512 channels, 320 samples a frame), layer-norm features, 2-second clips at 16 kHz
+            512 channels, 320 samples a frame), layer-norm features, 1-second clips at 16 kHz
 
 Figures, each a ratio of medians timed by the suite's harness (``_harness``: warm-up, the
 sides alternated A B, B A, ..., rerun when other processes loaded the machine):
@@ -13,11 +13,12 @@ sides alternated A B, B A, ..., rerun when other processes loaded the machine):
                    state, mean pooling, L2 chosen on a validation split, a bootstrap
                    interval; the images preprocessed by the model's processor) ÷ the
                    processor and one plain forward pass of the ViT over the same images, in
-                   the same batches (goal <= 1.2)
+                   the same batches (goal <= 1.2); ``--repeats`` timed pairs
   early exit       forward (eval, no grad) of a HeadedModel with a sequence probe on layer 2 ÷
                    the same probe on the last layer, for the ViT (a batch of 32 images) and
-                   wav2vec2 (a batch of 8 clips) (goal <= 0.25: the blocks after layer 2 never
-                   run; what runs before the blocks, such as wav2vec2's convolutions, does)
+                   wav2vec2 (a batch of 4 clips), 10 timed steps each (goal <= 0.25: the
+                   blocks after layer 2 never run; what runs before the blocks, such as
+                   wav2vec2's convolutions, does)
 
 Run (writes benchmarks/results/modalities.json; ``--quick``: tiny sizes, a smoke test):
   HF_HUB_OFFLINE=1 python benchmarks/bench_modalities.py
@@ -50,10 +51,10 @@ class Shape:
     hidden: int = 256
     image: int = 64
     patch: int = 8
-    images: int = 512
+    images: int = 256
     batch: int = 32
-    seconds: float = 2.0
-    clips: int = 8
+    seconds: float = 1.0
+    clips: int = 4
     conv: tuple[int, ...] = (512,) * 7
     stride: tuple[int, ...] = (5, 2, 2, 2, 2, 2, 2)
     kernel: tuple[int, ...] = (10, 3, 3, 3, 3, 2, 2)
@@ -134,11 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_measure_args(ap)
     ap.add_argument("--out", type=Path, default=HERE / "results" / f"{NAME}.json")
-    ap.add_argument("--repeats", type=int, default=None, help="timed sweeps (5; quick 2)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed sweeps (3; quick 2)")
     args = ap.parse_args(argv)
     st = settings_of(args)
     shape = QUICK if st.quick else Shape()
-    repeats = args.repeats or (2 if st.quick else 5)
+    repeats = args.repeats or (2 if st.quick else 3)
     torch.set_num_threads(st.threads)
     model = vit(shape)
     processor = ViTImageProcessorPil(size={"height": shape.image, "width": shape.image})
@@ -159,10 +160,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     g = torch.Generator().manual_seed(1)
     pixels = {"pixel_values": torch.randn(shape.batch, 3, shape.image, shape.image, generator=g)}
-    t_vit = st.measure(early_exit_sides(model, pixels))
+    steps = None if st.quick else 10
+    t_vit = st.measure(early_exit_sides(model, pixels), steps=steps)
     samples = int(shape.seconds * 16_000)
     audio = {"input_values": torch.randn(shape.clips, samples, generator=g)}
-    t_w2v = st.measure(early_exit_sides(wav2vec2(shape), audio))
+    t_w2v = st.measure(early_exit_sides(wav2vec2(shape), audio), steps=steps)
     figures = [
         figure(
             "ViT probe sweep (every layer) ÷ one forward pass",

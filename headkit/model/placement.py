@@ -11,7 +11,7 @@ to text or image tokens by ``pool_over``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -79,6 +79,22 @@ def state_key(info: BackboneInfo, cfg: HeadConfig) -> StateKey:
 def layer_index(key: StateKey) -> int:
     """The index into its stack's hidden states of a state key."""
     return key if isinstance(key, int) else key[1]
+
+
+def reached_blocks(info: BackboneInfo, keys: Iterable[StateKey]) -> list[tuple[str, list]]:
+    """(the path of a block stack, its blocks that run) for heads reading ``keys``: each
+    stack up to its deepest state read (all of it for ``last_hidden_state``); an
+    encoder–decoder model's whole encoder when a head reads its decoder."""
+    keys = list(keys)
+    decoder = [k[1] for k in keys if not isinstance(k, int)]
+    encoder = [k for k in keys if isinstance(k, int)]
+    if decoder:
+        dec = info.decoder
+        return [
+            (info.layers_path, list(info.layers)),
+            (dec.layers_path, list(dec.layers)[: max(decoder)]),
+        ]
+    return [(info.layers_path, list(info.layers)[: max(encoder, default=0)])]
 
 
 def head_masks(

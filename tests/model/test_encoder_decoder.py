@@ -268,3 +268,35 @@ def test_cached_features_of_both_stacks_equal_forward() -> None:
     )
     with pytest.raises(ConfigError, match=r"head 'tags' reads the decoder per position"):
         cache_features(tagger, examples, progress=False)
+
+
+def test_exports_to_text_formats_refuse_encoder_decoder_models(tmp_path) -> None:
+    pytest.importorskip("onnx")
+    import headkit
+
+    model = HeadedModel(build_tiny("t5", LAYERS), [HeadConfig("syntax", pred_for_sequence=True)])
+    with pytest.raises(
+        ConfigError, match=r"T5ForConditionalGeneration is an encoder–decoder model"
+    ):
+        headkit.export(model, tmp_path / "onnx", format="onnx")
+    with pytest.raises(ConfigError, match=r"the backbone is an encoder–decoder model"):
+        headkit.export(model, tmp_path / "hf", format="transformers")
+
+
+def test_lora_and_training_reach_every_block_a_decoder_head_runs(tmp_path) -> None:
+    from peft import LoraConfig
+
+    from headkit import create_headed_qlora
+
+    build_tiny("t5", 3).save_pretrained(tmp_path / "t5")
+    head = HeadConfig("v", stack="decoder", layer_hook=1, pred_for_sequence=True, num_outputs=1)
+    model = create_headed_qlora(
+        tmp_path / "t5", head_configs=[head], lora_config=LoraConfig(r=2, lora_alpha=4)
+    )
+    adapted = {n for n, _ in model.backbone.named_parameters() if ".lora_" in n}
+    blocks = {tuple(n.split(".")[:3]) for n in adapted}
+    expected = {("encoder", "block", str(i)) for i in range(3)} | {("decoder", "block", "0")}
+    assert blocks == expected  # the whole encoder runs; the decoder up to layer 1
+    trainable = HeadedModel(build_tiny("t5", 3), [head], freeze_base_model=False)
+    encoder = [p for n, p in trainable.backbone.named_parameters() if n.startswith("encoder.")]
+    assert encoder and all(p.requires_grad for p in encoder)  # nothing frozen as unreached
