@@ -188,9 +188,11 @@ def has_cls_token(backbone: nn.Module) -> bool:
 
 def default_pooling(modality: str, is_decoder: bool, has_cls: bool) -> str:
     """The pooling of a sequence head that names none (see the module's table)."""
+    if is_decoder:  # causal: only the last position has seen everything
+        return "last"
     if modality == "speech" or (modality == "vision" and not has_cls):
         return "mean"
-    return "last" if is_decoder else "first"
+    return "first"
 
 
 def stack_length(config: Any, stack: str) -> int | None:

@@ -201,7 +201,10 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     def _check_targets(self) -> None:
         """Targets must not be input names, and each must have one label layout."""
         # "self": forward's first parameter cannot also be a keyword label
-        reserved = {"self", *MODEL_INPUTS} | (self.info.forward_params - {"kwargs", "args"})
+        # a task model's own "labels" (T5ForConditionalGeneration) may be a head's target
+        reserved = {"self", *MODEL_INPUTS} | (
+            self.info.forward_params - {"kwargs", "args", "labels"}
+        )
         for cfg in self.head_configs.values():
             if cfg.target in reserved:
                 raise ConfigError(

@@ -197,6 +197,8 @@ def test_stack_is_ignored_by_models_with_one_stack_and_checked_everywhere() -> N
     ):
         HeadConfig("h", stack="middle")
     assert "stack" not in HeadConfig("h").to_dict()  # the default is not written
+    t5 = HeadedModel(build_tiny("t5", 2), [HeadConfig("h", target="labels")])  # its forward's
+    assert t5.head_configs["h"].target == "labels"  # "labels" is no input: a target may be it
     assert HeadConfig.from_dict({"name": "h"}).stack == "encoder"  # older checkpoints
 
 

@@ -204,3 +204,14 @@ def test_audio_examples_must_be_one_sequence_each() -> None:
         HeadedCollator(model)(
             [{"input_values": np.zeros(400)}, {"input_values": np.zeros((2, 400))}]
         )
+
+
+def test_speech_heads_pool_the_mean_by_default_and_a_decoder_its_last_token() -> None:
+    heads = [
+        HeadConfig("enc", pred_for_sequence=True),
+        HeadConfig("dec", pred_for_sequence=True, stack="decoder"),
+    ]
+    whisper = HeadedModel(build_tiny("whisper", 2), heads)
+    assert {n: c.pooling for n, c in whisper.head_configs.items()} == {"enc": "mean", "dec": "last"}
+    wav2vec2 = HeadedModel(build_tiny("wav2vec2", 2), heads[:1])
+    assert wav2vec2.head_configs["enc"].pooling == "mean"  # "first" would be one frame
