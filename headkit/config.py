@@ -26,6 +26,11 @@ from .losses.objective import LOSSES, loss_spec, task_of
 #: each row's last real token do not count), for comparing losses with it.
 TH_TOKEN_LOSS = "transformer-heads"
 
+#: Values of ``HeadConfig.stack``: which stack of an encoder–decoder model a head reads.
+STACKS = ("encoder", "decoder")
+#: Values of ``HeadConfig.pool_over``: which positions a sequence head pools.
+POOL_OVER = ("all", "text", "image")
+
 _BOOL_FIELDS = (
     "is_causal_lm",
     "pred_for_sequence",
@@ -33,6 +38,7 @@ _BOOL_FIELDS = (
     "output_bias",
     "trainable",
     "block_gradients",
+    "last_hidden_state",
 )
 
 
@@ -50,6 +56,15 @@ class HeadConfig:
     the backbone's natural choice ("last" for decoder-only models, "first" for encoders).
     ``loss_fct=None`` means the head is never trained by a loss. ``head_type`` names the head
     class in the ``HEADS`` registry ("mlp", the default, is ``MLPHead``).
+
+    Other model families: ``stack`` ("encoder", the default, or "decoder") chooses the stack
+    of an encoder–decoder model (T5, BART, Whisper) whose ``hidden_states`` ``layer_hook``
+    indexes; other models have one stack and ignore it. ``pool_over`` ("all", the default,
+    "text" or "image") makes a sequence head of a vision-language model pool only its text
+    tokens or only its image tokens. ``last_hidden_state=True`` reads the backbone's
+    ``last_hidden_state`` (with ``layer_hook=-1``): where HF's ``hidden_states[-1]`` is taken
+    before the final norm (ViT, wav2vec2), this is the output after it, which HF's own
+    classifiers read; elsewhere the two are the same.
 
     ``name`` is any non-empty string without '.' (also "type", "keys", "my-head").
     NumPy scalars are stored as the Python numbers they hold; ``extra`` must hold JSON values
@@ -78,6 +93,9 @@ class HeadConfig:
     pooling: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     head_type: str = "mlp"
+    stack: str = "encoder"
+    pool_over: str = "all"
+    last_hidden_state: bool = False
 
     def __post_init__(self) -> None:
         self._as_python_values()
@@ -126,6 +144,28 @@ class HeadConfig:
                     "pooling applies only to sequence heads (pred_for_sequence=True)",
                 )
             parse_pooling(self.pooling, head=self.name)
+        self._validate_positions()
+
+    def _validate_positions(self) -> None:
+        """``stack``, ``pool_over`` and ``last_hidden_state``: which states a head reads."""
+        if self.stack not in STACKS:
+            raise self._bad("stack", self.stack, f"allowed: {', '.join(map(repr, STACKS))}")
+        if self.pool_over not in POOL_OVER:
+            raise self._bad(
+                "pool_over", self.pool_over, f"allowed: {', '.join(map(repr, POOL_OVER))}"
+            )
+        if self.pool_over != "all" and not self.pred_for_sequence:
+            raise self._bad(
+                "pool_over",
+                self.pool_over,
+                "pool_over applies only to sequence heads (pred_for_sequence=True)",
+            )
+        if self.last_hidden_state and self.layer_hook != -1:
+            raise self._bad(
+                "layer_hook",
+                self.layer_hook,
+                "last_hidden_state=True reads the backbone's output: leave layer_hook=-1",
+            )
 
     def _validate_types(self) -> None:
         for f in _BOOL_FIELDS:

@@ -249,7 +249,7 @@ def evaluate_head_wise(
             configs, {k: v for k, v in batch.items() if k == "labels" or k in targets}
         )
         mask = batch.get("attention_mask")
-        n = int(batch["input_ids"].shape[0]) if "input_ids" in batch else 1
+        n = next((int(v.shape[0]) for v in out.preds_by_head.values()), 1)  # examples
         for name, cfg in configs.items():
             y = labels.get(cfg.target)
             if y is None:
@@ -288,7 +288,8 @@ def evaluation_batches(
             from .data.collator import HeadedCollator
 
             collator = HeadedCollator(model)
-        data = keep_model_columns(data, model.head_configs, "evaluate_head_wise")
+        own = getattr(getattr(model, "info", None), "extra_inputs", ())
+        data = keep_model_columns(data, model.head_configs, "evaluate_head_wise", own)
         loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collator)
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
         raise BatchError(f"evaluate_head_wise: epochs={epochs!r} is invalid; a number > 0")

@@ -40,12 +40,20 @@ ARCHS = ("gpt2", "llama", "bert")
 class TinyArch:
     """How ``build_tiny`` makes one architecture: its config class, the model class built
     when no task is asked for, the config values beyond the shared sizes, and the names of
-    its dropout probabilities (``build_tiny(..., dropout=0.0)`` sets them all)."""
+    its dropout probabilities (``build_tiny(..., dropout=0.0)`` sets them all).
+
+    ``layers`` names the config fields set to ``num_layers`` (an encoder–decoder model's two
+    stacks); ``shared=False`` leaves the shared text sizes out (vision and speech configs
+    name theirs in ``values``); ``text`` names the architecture whose tiny config becomes a
+    vision-language model's ``text_config`` (``num_layers`` and ``dropout`` go to it)."""
 
     config: str
     default: str
     values: dict[str, Any] = field(default_factory=dict)
     dropouts: tuple[str, ...] = ()
+    layers: tuple[str, ...] = ("num_hidden_layers",)
+    shared: bool = True
+    text: str | None = None
 
 
 #: Shared by every architecture (the configs map these names to their own, e.g. n_embd).
@@ -91,11 +99,156 @@ TINY = {
         ("hidden_dropout", "attention_dropout"),
     ),
 }
+#: Image and audio sizes of the tiny vision and speech models: 32x32 RGB images in 8x8
+#: patches (16 patches + CLS), audio at 16 kHz, Whisper's 8 mel bins over 32 frames.
+IMAGE_SIZE = 32
+PATCH = 8
+MEL_BINS = 8
+MEL_FRAMES = 32
+#: The image token of the tiny Llava (and the image/video/markers of the tiny Qwen2-VL).
+IMAGE_TOKEN = 99
+_VIT = {
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "image_size": IMAGE_SIZE,
+    "patch_size": PATCH,
+}
+_SPEECH = {
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "conv_dim": (16, 16),
+    "conv_stride": (5, 2),
+    "conv_kernel": (10, 3),
+    "num_conv_pos_embeddings": 8,
+    "num_conv_pos_embedding_groups": 2,
+    "feat_extract_norm": "layer",
+    "do_stable_layer_norm": True,
+    "classifier_proj_size": 16,
+}
+_SEQ2SEQ = {
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+}
+_SEQ2SEQ_DROPOUTS = ("dropout", "attention_dropout", "activation_dropout")
+TINY.update(
+    {
+        "vit": TinyArch(
+            "ViTConfig",
+            "ViTModel",
+            _VIT,
+            ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+            shared=False,
+        ),
+        "clip-vision": TinyArch(
+            "CLIPVisionConfig", "CLIPVisionModel", _VIT, ("attention_dropout",), shared=False
+        ),
+        "wav2vec2": TinyArch(
+            "Wav2Vec2Config",
+            "Wav2Vec2Model",
+            _SPEECH,
+            ("hidden_dropout", "attention_dropout", "activation_dropout", "feat_proj_dropout"),
+            shared=False,
+        ),
+        "whisper": TinyArch(
+            "WhisperConfig",
+            "WhisperModel",
+            {
+                **_SEQ2SEQ,
+                "num_mel_bins": MEL_BINS,
+                "max_source_positions": MEL_FRAMES // 2,
+                "max_target_positions": 64,
+                "decoder_start_token_id": 1,
+                "begin_suppress_tokens": None,
+                "suppress_tokens": None,
+                **_DECODER_IDS,
+            },
+            _SEQ2SEQ_DROPOUTS,
+            layers=("encoder_layers", "decoder_layers"),
+        ),
+        "t5": TinyArch(
+            "T5Config",
+            "T5ForConditionalGeneration",
+            {
+                "d_kv": 8,
+                "d_ff": 64,
+                "pad_token_id": 0,
+                "eos_token_id": 1,
+                "decoder_start_token_id": 0,
+            },
+            ("dropout_rate",),
+            layers=("num_layers", "num_decoder_layers"),
+        ),
+        "bart": TinyArch(
+            "BartConfig",
+            "BartModel",
+            {**_SEQ2SEQ, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2},
+            _SEQ2SEQ_DROPOUTS,
+            layers=("encoder_layers", "decoder_layers"),
+        ),
+        "llava": TinyArch(
+            "LlavaConfig",
+            "LlavaForConditionalGeneration",
+            {
+                "vision_config": {
+                    "model_type": "clip_vision_model",
+                    "num_hidden_layers": 2,
+                    **_VIT,
+                },
+                "image_token_id": IMAGE_TOKEN,
+                "vision_feature_layer": -1,
+                "projector_hidden_act": "gelu",
+            },
+            shared=False,
+            text="llama",
+        ),
+        "qwen2-vl": TinyArch(
+            "Qwen2VLConfig",
+            "Qwen2VLForConditionalGeneration",
+            {
+                "vision_config": {
+                    "depth": 2,
+                    "embed_dim": 16,
+                    "hidden_size": HIDDEN,
+                    "num_heads": 4,
+                    "mlp_ratio": 2,
+                    "patch_size": 2,
+                    "spatial_merge_size": 2,
+                    "temporal_patch_size": 2,
+                },
+                "image_token_id": 96,
+                "video_token_id": 97,
+                "vision_start_token_id": 98,
+                "vision_end_token_id": IMAGE_TOKEN,
+            },
+            shared=False,
+            text="qwen2-vl-text",
+        ),
+        "qwen2-vl-text": TinyArch(
+            "Qwen2VLTextConfig",
+            "Qwen2VLTextModel",
+            {
+                "intermediate_size": 64,
+                "num_key_value_heads": 2,
+                "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+                **_DECODER_IDS,
+            },
+        ),
+    }
+)
 #: ``task`` of ``build_tiny``: the Auto class that builds the model for it.
 TASKS = {
     "base": "AutoModel",
     "causal-lm": "AutoModelForCausalLM",
     "sequence-classification": "AutoModelForSequenceClassification",
+    "image-classification": "AutoModelForImageClassification",
+    "audio-classification": "AutoModelForAudioClassification",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+    "image-text-to-text": "AutoModelForImageTextToText",
 }
 
 
@@ -108,7 +261,11 @@ def tiny_config(
     if arch not in TINY:
         raise ValueError(f"arch={arch!r} is unknown; allowed: {', '.join(TINY)}")
     spec = TINY[arch]
-    values = {**SHARED, **spec.values, "num_hidden_layers": num_layers}
+    values = {**(SHARED if spec.shared else {}), **spec.values}
+    if spec.text is not None:
+        values["text_config"] = tiny_config(spec.text, num_layers, dropout=dropout).to_dict()
+    else:
+        values.update(dict.fromkeys(spec.layers, num_layers))
     if dropout is not None:
         values.update(dict.fromkeys(spec.dropouts, dropout))
     values.update(overrides)
@@ -127,9 +284,11 @@ def build_tiny(
     **overrides: Any,
 ) -> PreTrainedModel:
     """A tiny random ``arch`` in eval mode, seeded with ``seed``: the architecture's default
-    class (GPT2LMHeadModel, LlamaForCausalLM, BertModel, RobertaModel, DistilBertModel,
-    BloomModel) or the class for ``task`` (one of ``TASKS``). Hidden 32, vocab 100, 4
-    attention heads, 64 positions; decoders use bos 1 and pad == eos == 2. ``overrides`` and
+    class (``TINY[arch].default``: GPT2LMHeadModel, LlamaForCausalLM, BertModel, ViTModel,
+    Wav2Vec2Model, WhisperModel, T5ForConditionalGeneration, LlavaForConditionalGeneration,
+    ...) or the class for ``task`` (one of ``TASKS``). Hidden 32, vocab 100, 4 attention
+    heads, 64 positions; decoders use bos 1 and pad == eos == 2; vision models take 32x32
+    images in 8x8 patches; Llava's image token is ``IMAGE_TOKEN``. ``overrides`` and
     ``dropout`` go to ``tiny_config``, ``model_kwargs`` to the model class."""
     config = tiny_config(arch, num_layers, dropout=dropout, **overrides)
     if task is not None and task not in TASKS:

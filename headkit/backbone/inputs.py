@@ -7,6 +7,13 @@ mask, as ``generate`` does) and checks them against the backbone's position tabl
 runs, casts ``inputs_embeds`` to the backbone's dtype, and speaks the installed
 transformers' dialect (the cache's name, output flags through ``**kwargs``).
 ``HeadedModel.forward`` and feature caching both call it, so they get the same checks.
+
+Inputs of every modality come through here: the names a backbone accepts beyond the stage's
+own are those of its forward signature (``pixel_values``, ``input_values``,
+``input_features``, ``decoder_input_ids``, ``image_grid_thw``, ...; ``accepted_inputs``);
+any other key is a BatchError naming the allowed ones. The mask over the positions heads
+read is the attention mask for tokens, the model's own frame mask for speech, none for
+images, and per stack for encoder–decoder models (``modalities.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import BatchError
-from .inspection import BackboneInfo, run_backbone
+from .checks import check_inputs, check_signal, input_embeddings
+from .inspection import OWN_INPUTS, BackboneInfo, run_backbone
+from .modalities import SIGNAL_INPUTS, frame_mask
 from .positions import (
     check_position_range,
     check_token_type_range,
@@ -28,20 +37,17 @@ from .positions import (
 )
 
 #: Inputs ``HeadedModel.forward`` takes itself; a head's target may not use these names.
-MODEL_INPUTS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "past_key_values",
-    "inputs_embeds",
-    "token_type_ids",
-    "use_cache",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-)
-#: What the input stage takes (``MODEL_INPUTS`` but ``return_dict``, which shapes the output).
-STAGE_INPUTS = MODEL_INPUTS[:-1]
+MODEL_INPUTS = (*OWN_INPUTS, "return_dict")
+#: What the input stage takes of every backbone (``MODEL_INPUTS`` but ``return_dict``, which
+#: shapes the output); ``accepted_inputs`` adds those of the backbone's forward signature.
+STAGE_INPUTS = OWN_INPUTS
+#: An encoder–decoder model's decoder inputs → the names its decoder's forward takes them by.
+DECODER_INPUTS = {
+    "decoder_input_ids": "input_ids",
+    "decoder_attention_mask": "attention_mask",
+    "decoder_inputs_embeds": "inputs_embeds",
+    "decoder_position_ids": "position_ids",
+}
 #: Per-token inputs a collator pads, with their pad value (None: the pad token id).
 TOKEN_INPUT_PADS: dict[str, int | None] = {
     "input_ids": None,
@@ -54,6 +60,24 @@ BATCH_INPUTS = (*TOKEN_INPUT_PADS, "inputs_embeds")
 #: Keys tokenizers add that are no model input: sentence-transformers 6's ``preprocess`` /
 #: ``tokenize`` adds ``modality`` (a string) and, with prompts, ``prompt_length``.
 TOKENIZER_EXTRAS = ("modality", "prompt_length")
+
+
+def accepted_inputs(info: BackboneInfo) -> tuple[str, ...]:
+    """Every input name the stage takes for this backbone: its own, then the backbone's."""
+    return (*STAGE_INPUTS, *info.extra_inputs)
+
+
+def batch_inputs(info: BackboneInfo) -> tuple[str, ...]:
+    """The model inputs a batch of examples may carry for this backbone (``BATCH_INPUTS`` and
+    the inputs of its forward signature: ``pixel_values``, ``input_values``, ...)."""
+    return (*BATCH_INPUTS, *info.extra_inputs)
+
+
+def split_inputs(info: BackboneInfo, kwargs: Mapping[str, Any]) -> tuple[dict, dict]:
+    """(the backbone's own inputs among ``kwargs``, the rest): ``HeadedModel.forward`` gets
+    ``pixel_values`` and the like through ``**kwargs``, beside the heads' labels."""
+    own = {k: v for k, v in kwargs.items() if k in info.extra_inputs}
+    return own, {k: v for k, v in kwargs.items() if k not in own}
 
 
 def drop_tokenizer_extras(batch: dict[str, Any], targets: set[str]) -> dict[str, Any]:
@@ -74,6 +98,9 @@ class BackboneInputs:
     kwargs: dict[str, Any]
     mask: torch.Tensor | None
     shape: tuple[int, ...]
+    input_ids: torch.Tensor | None = None  # which positions are image tokens (pool_over)
+    decoder_kwargs: dict[str, Any] | None = None  # an encoder–decoder model's decoder inputs
+    decoder_mask: torch.Tensor | None = None  # over the decoder's new positions
 
 
 def prepare_inputs(
@@ -83,11 +110,36 @@ def prepare_inputs(
     check: bool = True,
 ) -> BackboneInputs:
     """Check a batch's model inputs and build the backbone's keyword arguments (see the
-    module docstring). ``batch`` maps ``STAGE_INPUTS`` names to values (None or absent: not
-    given); any other key is a BatchError."""
-    unknown = sorted(k for k in batch if k not in STAGE_INPUTS)
+    module docstring). ``batch`` maps ``accepted_inputs(info)`` names to values (None or
+    absent: not given); any other key is a BatchError."""
+    allowed = accepted_inputs(info)
+    unknown = sorted(k for k in batch if k not in allowed)
     if unknown:
-        raise BatchError(f"unexpected model input(s) {unknown}; allowed: {list(STAGE_INPUTS)}")
+        raise BatchError(f"unexpected model input(s) {unknown}; allowed: {list(allowed)}")
+    extras = {
+        k: _cast_signal(backbone, k, batch[k])
+        for k in info.extra_inputs
+        if batch.get(k) is not None and k not in DECODER_INPUTS
+    }
+    if info.main_input in SIGNAL_INPUTS:
+        inputs = _signal_inputs(backbone, info, batch, extras, check)
+    else:
+        inputs = _token_inputs(backbone, info, batch, extras, check)
+    if info.decoder is not None:
+        inputs.decoder_kwargs, inputs.decoder_mask = prepare_decoder_inputs(
+            backbone, info, batch, check
+        )
+    return inputs
+
+
+def _token_inputs(
+    backbone: PreTrainedModel,
+    info: BackboneInfo,
+    batch: Mapping[str, Any],
+    extras: dict[str, Any],
+    check: bool,
+) -> BackboneInputs:
+    """The stage for a backbone driven by token ids (text, vision-language, T5/BART)."""
     input_ids, inputs_embeds = batch.get("input_ids"), batch.get("inputs_embeds")
     attention_mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
     token_type_ids, past_key_values = batch.get("token_type_ids"), batch.get("past_key_values")
@@ -99,31 +151,102 @@ def prepare_inputs(
     ref = input_ids if input_ids is not None else inputs_embeds
     seq = ref.shape[1]
     inputs_embeds = cast_embeds(backbone, inputs_embeds, check)
-    position_ids = resolve_positions(
-        backbone, info, attention_mask, position_ids, token_type_ids, ref.shape[:2], past, check
-    )
+    if not info.own_positions and info.decoder is None:
+        position_ids = resolve_positions(
+            backbone, info, attention_mask, position_ids, token_type_ids, ref.shape[:2], past, check
+        )
     states_mask = attention_mask
     if attention_mask is not None and attention_mask.shape[1] != seq:
         states_mask = attention_mask[:, -seq:]  # (batch, past + seq): the new positions
+    encoder_decoder = info.decoder is not None  # the cache and its flag go to the decoder
     inputs: dict[str, Any] = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids,
-        "past_key_values": past_key_values,
+        "past_key_values": None if encoder_decoder else past_key_values,
         "inputs_embeds": inputs_embeds,
         "token_type_ids": token_type_ids,
+        **extras,
+    }
+    kwargs = _call_kwargs(info, inputs, batch, use_cache=not encoder_decoder)
+    return BackboneInputs(kwargs, states_mask, tuple(ref.shape), input_ids=input_ids)
+
+
+def _signal_inputs(
+    backbone: PreTrainedModel,
+    info: BackboneInfo,
+    batch: Mapping[str, Any],
+    extras: dict[str, Any],
+    check: bool,
+) -> BackboneInputs:
+    """The stage for a backbone driven by images or audio (``pixel_values``,
+    ``input_values``, ``input_features``): no token inputs, no positions; speech states are
+    counted at the frames of real audio."""
+    name = info.main_input
+    value, attention_mask = batch.get(name), batch.get("attention_mask")
+    if check:
+        check_signal(backbone, info, batch, value, attention_mask)
+    states_mask = None
+    if info.modality == "speech":
+        states_mask = frame_mask(backbone, attention_mask, value.shape[-1])
+    inputs = {"attention_mask": attention_mask, **extras}
+    kwargs = _call_kwargs(info, inputs, batch, use_cache=False)
+    return BackboneInputs(kwargs, states_mask, tuple(value.shape))
+
+
+def _call_kwargs(
+    info: BackboneInfo, inputs: dict[str, Any], batch: Mapping[str, Any], use_cache: bool
+) -> dict[str, Any]:
+    """The keyword arguments the module running the (first) stack takes, in the installed
+    transformers' dialect: the cache's name, output flags through ``**kwargs``."""
+    inputs = {
+        **inputs,
         "output_attentions": batch.get("output_attentions"),
         "output_hidden_states": batch.get("output_hidden_states"),
     }
-    params = info.forward_params
+    params = info.stack_params or info.forward_params
     if "past_key_values" not in params and "cache" in params:  # its name since transformers 5.24.0
-        inputs["cache"] = inputs.pop("past_key_values")
+        inputs["cache"] = inputs.pop("past_key_values", None)
     # output_* flags are read from **kwargs by transformers 5 models, not named parameters.
     via_kwargs = {"output_attentions", "output_hidden_states"} if "kwargs" in params else set()
     inputs = {k: v for k, v in inputs.items() if v is not None and (k in params or k in via_kwargs)}
     if "use_cache" in params:
-        inputs["use_cache"] = bool(batch.get("use_cache"))
-    return BackboneInputs(inputs, states_mask, tuple(ref.shape))
+        inputs["use_cache"] = bool(batch.get("use_cache")) and use_cache
+    return inputs
+
+
+def prepare_decoder_inputs(
+    backbone: PreTrainedModel, info: BackboneInfo, batch: Mapping[str, Any], check: bool
+) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
+    """An encoder–decoder model's decoder kwargs (its own names) and the mask over its new
+    positions; (None, None) when the batch has no decoder inputs."""
+    given = {DECODER_INPUTS[k]: batch.get(k) for k in DECODER_INPUTS if batch.get(k) is not None}
+    cache = batch.get("past_key_values")
+    if "input_ids" not in given and "inputs_embeds" not in given:
+        return None, None
+    decoder = backbone.get_decoder()
+    past = _past_length(cache)
+    ids, embeds = given.get("input_ids"), given.get("inputs_embeds")
+    mask = given.get("attention_mask")
+    if check:
+        check_inputs(decoder, ids, embeds, mask, given.get("position_ids"), None, past, "decoder_")
+    given["inputs_embeds"] = cast_embeds(decoder, embeds, check)
+    seq = (ids if ids is not None else embeds).shape[1]
+    states_mask = mask[:, -seq:] if mask is not None else None
+    flags = {k: batch.get(k) for k in ("use_cache", "output_attentions", "output_hidden_states")}
+    kwargs = _call_kwargs(info.decoder, {**given, "past_key_values": cache}, flags, True)
+    return kwargs, states_mask
+
+
+def _cast_signal(backbone: PreTrainedModel, name: str, value: Any) -> Any:
+    """Images and audio in the backbone's floating dtype (float32 arrays into a bfloat16
+    model); other inputs as they are."""
+    if name not in SIGNAL_INPUTS and not name.startswith("pixel_values"):
+        return value
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return value
+    dtype = getattr(backbone, "dtype", value.dtype)
+    return value.to(dtype) if dtype.is_floating_point and dtype != value.dtype else value
 
 
 def run_stage(
@@ -133,9 +256,18 @@ def run_stage(
     wanted: set[int],
     early_exit: bool,
 ) -> tuple[dict[int, torch.Tensor], Any]:
-    """``run_backbone`` on prepared inputs; an out-of-range embedding index is a BatchError."""
+    """``run_backbone`` on prepared inputs; an out-of-range embedding index is a BatchError,
+    and so are heads on an encoder–decoder model's decoder without decoder inputs."""
+    if inputs.decoder_kwargs is None and any(not isinstance(k, int) for k in wanted):
+        raise BatchError(
+            f"heads on the decoder of {type(backbone).__name__} (stack='decoder') need "
+            "decoder_input_ids (or decoder_inputs_embeds) in the batch; heads with "
+            "stack='encoder' run the encoder alone"
+        )
     try:
-        return run_backbone(backbone, info, wanted, early_exit, inputs.kwargs)
+        return run_backbone(
+            backbone, info, wanted, early_exit, inputs.kwargs, inputs.decoder_kwargs
+        )
     except IndexError as e:  # an embedding lookup (positions, token types) out of range
         limits = {
             "max_position_embeddings": config_value(
@@ -177,7 +309,7 @@ def resolve_positions(
 def cast_embeds(backbone: PreTrainedModel, inputs_embeds: Any, check: bool = True) -> Any:
     """``inputs_embeds`` in the dtype of the backbone's embeddings (float64 → float32, ...);
     a BatchError when a finite value does not fit that dtype."""
-    emb = _input_embeddings(backbone)
+    emb = input_embeddings(backbone)
     weight = getattr(emb, "weight", None)
     if inputs_embeds is None or not isinstance(weight, torch.Tensor):
         return inputs_embeds
@@ -213,112 +345,6 @@ def _past_length(cache: Any) -> int:
         return int(cache[0][0].shape[-2])
     except (TypeError, IndexError, AttributeError):
         return 0
-
-
-# ---------------------------------------------------------------------- checks
-def _int_ids(name: str, value: Any, shape: tuple[int, ...] | None) -> None:
-    """``value`` must be an integer (not bool) tensor; of ``shape`` when given."""
-    if not isinstance(value, torch.Tensor):
-        raise BatchError(
-            f"{name} must be a torch.Tensor, got {type(value).__name__}; "
-            "use tokenizer(..., return_tensors='pt')"
-        )
-    if value.dtype not in (torch.int64, torch.int32):  # what embedding lookups accept
-        raise BatchError(
-            f"{name} must hold integer ids of dtype torch.int64 or torch.int32, got {value.dtype}"
-        )
-    if shape is not None and tuple(value.shape) != shape:
-        raise BatchError(
-            f"{name} of shape {tuple(value.shape)} does not match the inputs; expected {shape}"
-        )
-
-
-def _input_embeddings(backbone: PreTrainedModel) -> Any:
-    try:
-        return backbone.get_input_embeddings()
-    except (NotImplementedError, AttributeError):  # exotic models: skip the width/vocab checks
-        return None
-
-
-def check_inputs(
-    backbone: PreTrainedModel,
-    input_ids: Any,
-    inputs_embeds: Any,
-    attention_mask: Any,
-    position_ids: Any,
-    token_type_ids: Any,
-    past: int = 0,
-) -> None:
-    """Raise BatchError naming the field, value and what is allowed for malformed inputs."""
-    if input_ids is not None and inputs_embeds is not None:
-        raise BatchError("pass input_ids or inputs_embeds, not both")
-    if input_ids is None and inputs_embeds is None:
-        raise BatchError("the batch needs input_ids or inputs_embeds")
-    emb = _input_embeddings(backbone)
-    if input_ids is not None:
-        _int_ids("input_ids", input_ids, None)
-        ref = input_ids
-    else:
-        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
-            raise BatchError(
-                f"inputs_embeds must be a floating-point torch.Tensor, got "
-                f"{getattr(inputs_embeds, 'dtype', type(inputs_embeds).__name__)}"
-            )
-        ref = inputs_embeds
-    want_dim = 2 if input_ids is not None else 3
-    if ref.dim() != want_dim or ref.shape[0] == 0 or ref.shape[1] == 0:
-        what = "input_ids" if input_ids is not None else "inputs_embeds"
-        expected = "2-D (batch >= 1, seq >= 1)" if want_dim == 2 else "3-D (batch, seq, hidden)"
-        raise BatchError(
-            f"empty or malformed batch: {what} of shape {tuple(ref.shape)}; expected {expected}"
-        )
-    width = getattr(emb, "embedding_dim", None)
-    if inputs_embeds is not None and width is not None and inputs_embeds.shape[-1] != width:
-        raise BatchError(
-            f"inputs_embeds of width {inputs_embeds.shape[-1]} do not match the backbone's "
-            f"embedding width {width}"
-        )
-    vocab = getattr(emb, "num_embeddings", None)
-    if input_ids is not None and vocab is not None and input_ids.device.type != "meta":
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= vocab:
-            raise BatchError(
-                f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary; "
-                f"allowed: 0..{vocab - 1} (the backbone's input embeddings have {vocab} rows)"
-            )
-    batch_seq = tuple(ref.shape[:2])
-    _check_mask(attention_mask, batch_seq, past)
-    if token_type_ids is not None:
-        _int_ids("token_type_ids", token_type_ids, batch_seq)
-    if position_ids is not None:
-        _int_ids("position_ids", position_ids, None)
-        if position_ids.shape not in (batch_seq, (1, batch_seq[1])):
-            raise BatchError(
-                f"position_ids of shape {tuple(position_ids.shape)} does not match the inputs; "
-                f"expected {batch_seq} or {(1, batch_seq[1])}"
-            )
-
-
-def _check_mask(attention_mask: Any, batch_seq: tuple[int, ...], past: int) -> None:
-    if attention_mask is None:
-        return
-    if not isinstance(attention_mask, torch.Tensor):
-        raise BatchError(
-            f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
-        )
-    allowed = [batch_seq] if not past else [(batch_seq[0], past + batch_seq[1])]
-    if tuple(attention_mask.shape) not in allowed:
-        with_cache = f" (with {past} cached positions: (batch, past + new))" if past else ""
-        raise BatchError(
-            f"attention_mask of shape {tuple(attention_mask.shape)} does not match the "
-            f"inputs {batch_seq}{with_cache}; expected {allowed[0]}"
-        )
-    odd = (attention_mask != 0) & (attention_mask != 1)
-    if attention_mask.device.type != "meta" and bool(odd.any()):
-        raise BatchError(
-            f"attention_mask holds {attention_mask[odd][0].item()!r}; allowed: 0 (padding) "
-            "or 1 (token)"
-        )
 
 
 def cache_of(out: Any) -> Any:

@@ -1,23 +1,52 @@
 """Find what headkit needs in any Hugging Face model by inspection, and run only what is needed.
 
 No per-architecture map: the block stack is the ``nn.ModuleList`` whose length is the
-config's ``num_hidden_layers``; causality is read from the attention modules' ``is_causal``.
-Hooked states follow ``output_hidden_states`` exactly: index 0 is the input of the first
-block (the embeddings), index i the output of block i, and the last index the model's
-``last_hidden_state`` (after the final norm where the model has one).
+config's ``num_hidden_layers`` (a vision-language model's: its language model's; an
+encoder–decoder model has two, the encoder's and the decoder's); causality is read from the
+attention modules' ``is_causal``. Hooked states follow ``output_hidden_states`` exactly:
+index 0 is the input of the first block (the embeddings), index i the output of block i, and
+the last index what HF returns there: the ``last_hidden_state`` (after the final norm) where
+the stack's forward ties it, the last block's output where it does not (ViT, wav2vec2: see
+``modalities.stack_ties_last``); index ``num_layers + 1`` is then the ``last_hidden_state``.
+Decoder states of an encoder–decoder model are captured under ``(DECODER, index)``.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..errors import ConfigError
+from ..errors import BatchError, ConfigError
+from .modalities import (
+    DECODER,
+    computes_own_positions,
+    extra_inputs,
+    forward_params,
+    has_cls_token,
+    main_input_of,
+    modality_of,
+    recorded_block_classes,
+    stack_length,
+    stack_ties_last,
+)
 from .positions import PositionScheme, position_scheme
+
+#: The input names the input stage handles itself (``inputs.STAGE_INPUTS``).
+OWN_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "past_key_values",
+    "inputs_embeds",
+    "token_type_ids",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+)
 
 
 class _StopForward(Exception):
@@ -39,17 +68,36 @@ class BackboneInfo:
     tie_last: bool = True
     vocab_size: int | None = None
     positions: PositionScheme | None = None  # position table and numbering (positions.py)
+    modality: str = "text"  # modalities.MODALITIES
+    main_input: str = "input_ids"  # what drives the backbone (main_input_name)
+    extra_inputs: tuple[str, ...] = ()  # batch inputs of its forward beyond OWN_INPUTS
+    has_cls: bool = False  # a vision model's class token
+    own_positions: bool = False  # numbers positions itself (multimodal rotary)
+    decoder: BackboneInfo | None = None  # an encoder–decoder model's decoder stack
+    stack: str = "encoder"  # which stack this describes ("encoder": also a model's only one)
+    stack_params: set[str] = field(default_factory=set)  # forward of the module running it
 
     def resolve_hook(self, layer_hook: int, head: str = "?") -> int:
         """Map a (possibly negative) ``layer_hook`` to 0..num_layers, or raise ConfigError."""
         total = self.num_layers + 1
         if not -total <= layer_hook < total:
+            of = f" {self.stack}" if self.decoder is not None or self.stack == DECODER else ""
             raise ConfigError(
-                f"HeadConfig(name={head!r}): layer_hook={layer_hook} is outside the backbone's "
-                f"hidden states; allowed: {-total}..{total - 1} (0 = embeddings, "
+                f"HeadConfig(name={head!r}): layer_hook={layer_hook} is outside the backbone's"
+                f"{of} hidden states; allowed: {-total}..{total - 1} (0 = embeddings, "
                 f"{self.num_layers} or -1 = last layer; {self.num_layers} blocks)"
             )
         return layer_hook % total
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """Whether the backbone has an encoder and a decoder stack."""
+        return self.decoder is not None
+
+    def stack_info(self, stack: str) -> BackboneInfo:
+        """The info of ``stack`` ("decoder": the decoder's; anything else, or a model with
+        one stack: this one)."""
+        return self.decoder if stack == DECODER and self.decoder is not None else self
 
 
 def base_model_of(model: PreTrainedModel) -> PreTrainedModel:
@@ -66,13 +114,11 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
     """
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise ConfigError(
-            f"{type(model).__name__} is an encoder-decoder model; headkit supports encoder-only "
-            "and decoder-only transformers"
-        )
+        return _inspect_encoder_decoder(model, layers_path)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = getattr(text_cfg, "num_hidden_layers", None)
-    path, layers = _find_layers(model, n_layers, layers_path)
+    language_model = _language_model_path(model)
+    path, layers = _find_layers(model, n_layers, layers_path, language_model)
     hidden = getattr(text_cfg, "hidden_size", None)
     if hidden is None:
         emb = model.get_input_embeddings()
@@ -84,7 +130,8 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
         pooler_size = lins[-1].out_features if lins else hidden
     else:
         pooler = None
-    params = set(inspect.signature(model.forward).parameters)
+    names = forward_params(model)
+    params = set(names)
     return BackboneInfo(
         layers=layers,
         layers_path=path,
@@ -94,14 +141,78 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
         pooler=pooler,
         pooler_size=pooler_size,
         forward_params=params,
-        tie_last=getattr(config, "tie_last_hidden_states", None) is not False,
+        tie_last=stack_ties_last(model, config),
         vocab_size=getattr(text_cfg, "vocab_size", None),
-        positions=position_scheme(model, params),
+        # a vision-language model's positions are its language model's (not its vision tower's)
+        positions=position_scheme(model.get_submodule(language_model or ""), params),
+        modality=modality_of(model, params),
+        main_input=main_input_of(model),
+        extra_inputs=extra_inputs(names, OWN_INPUTS),
+        has_cls=has_cls_token(model),
+        own_positions=computes_own_positions(model),
+        stack_params=params,
     )
 
 
+def _inspect_encoder_decoder(model: PreTrainedModel, layers_path: str | None) -> BackboneInfo:
+    """The encoder's stack (``layers_path`` names it if needed) with the decoder's as
+    ``decoder``; each stack runs through its own module (``get_encoder`` / ``get_decoder``)."""
+    config = model.config
+    stacks = {}
+    for stack, module in (("encoder", model.get_encoder()), (DECODER, model.get_decoder())):
+        prefix = _path_of(model, module)
+        path, layers = _find_layers(
+            module, stack_length(config, stack), layers_path if stack == "encoder" else None
+        )
+        names = forward_params(module)
+        stacks[stack] = BackboneInfo(
+            layers=layers,
+            layers_path=f"{prefix}.{path}" if prefix else path,
+            num_layers=len(layers),
+            hidden_size=int(config.get_text_config().hidden_size),
+            is_decoder=stack == DECODER,
+            pooler=None,
+            pooler_size=None,
+            forward_params=set(names),
+            stack_params=set(names),
+            tie_last=stack_ties_last(module, config),
+            vocab_size=getattr(config, "vocab_size", None),
+            stack=stack,
+        )
+    names = forward_params(model)
+    params = set(names)
+    main = main_input_of(model)
+    return dataclasses.replace(
+        stacks["encoder"],
+        forward_params=params,
+        positions=position_scheme(model.get_encoder(), params) if main == "input_ids" else None,
+        modality=modality_of(model, params),
+        main_input=main,
+        extra_inputs=extra_inputs(names, OWN_INPUTS),
+        decoder=stacks[DECODER],
+    )
+
+
+def _path_of(root: nn.Module, module: nn.Module) -> str:
+    """The name of ``module`` inside ``root`` ("" for root itself)."""
+    return next((n for n, m in root.named_modules() if m is module), "")
+
+
+def _language_model_path(model: nn.Module) -> str | None:
+    """Where a vision-language model keeps its language model (searched first for the block
+    stack, so that a vision tower of as many blocks is not taken for it)."""
+    config = model.config
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_cfg is config:
+        return None
+    for name in ("language_model", "text_model", "model"):
+        if isinstance(getattr(model, name, None), nn.Module):
+            return name
+    return None
+
+
 def _find_layers(
-    model: nn.Module, n_layers: int | None, layers_path: str | None
+    model: nn.Module, n_layers: int | None, layers_path: str | None, prefer: str | None = None
 ) -> tuple[str, nn.ModuleList]:
     if layers_path is not None:
         try:
@@ -116,9 +227,17 @@ def _find_layers(
             )
         return layers_path, found
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    recorded = recorded_block_classes(model)
+    if prefer:
+        recorded += recorded_block_classes(model.get_submodule(prefer))
+
+    def rank(item: tuple[str, nn.ModuleList]) -> tuple[bool, bool, int]:
+        name, stack = item
+        blocks = bool(recorded) and all(isinstance(b, recorded) for b in stack)
+        return (bool(prefer) and not name.startswith(f"{prefer}."), not blocks, name.count("."))
+
     exact = sorted(
-        ((n, m) for n, m in lists if n_layers is not None and len(m) == n_layers),
-        key=lambda nm: nm[0].count("."),
+        ((n, m) for n, m in lists if n_layers is not None and len(m) == n_layers), key=rank
     )
     if not exact:
         found = ", ".join(f"{n} ({len(m)})" for n, m in lists[:10]) or "none"
@@ -148,23 +267,68 @@ def _is_causal(model: nn.Module) -> bool:
 def run_backbone(
     model: nn.Module,
     info: BackboneInfo,
-    wanted: set[int],
+    wanted: set,
     early_exit: bool,
     inputs: dict,
-) -> tuple[dict[int, torch.Tensor], object | None]:
+    decoder_inputs: dict | None = None,
+) -> tuple[dict, object | None]:
     """Run ``model(**inputs)`` capturing the hidden states at the resolved indices ``wanted``.
 
     With ``early_exit`` the forward stops right after the deepest wanted block, so later
     blocks never run; the model output is then ``None``. Hooks live for this call only.
     Under ``torch.compile`` the states come from the model's ``hidden_states`` instead
-    (hooks cannot be added inside a traced graph), and every block runs.
+    (hooks cannot be added inside a traced graph), and every block runs. An encoder–decoder
+    model runs its stacks itself (``run_encoder_decoder``).
     """
+    if info.decoder is not None:
+        return run_encoder_decoder(model, info, wanted, early_exit, inputs, decoder_inputs or {})
+    return _run_stack(model, info, wanted, early_exit, inputs)
+
+
+def run_encoder_decoder(
+    model: nn.Module,
+    info: BackboneInfo,
+    wanted: set,
+    early_exit: bool,
+    inputs: dict,
+    decoder_inputs: dict,
+) -> tuple[dict, object | None]:
+    """Encoder states at int indices, decoder states at ``(DECODER, index)``.
+
+    Without decoder states wanted, only the encoder runs (as deep as needed). Otherwise the
+    encoder runs in full (or its ``encoder_outputs`` are given) and the decoder as deep as
+    needed; the output is the decoder's (None after an early exit).
+    """
+    enc_wanted = {k for k in wanted if isinstance(k, int)}
+    dec_wanted = {k[1] for k in wanted if not isinstance(k, int)}
+    encoder_outputs = decoder_inputs.get("encoder_outputs")
+    if not dec_wanted and encoder_outputs is None:
+        return _run_stack(model.get_encoder(), info, enc_wanted, early_exit, inputs)
+    captured: dict = {}
+    if encoder_outputs is None:
+        captured, encoder_outputs = _run_stack(model.get_encoder(), info, enc_wanted, False, inputs)
+    elif enc_wanted:
+        raise BatchError("encoder heads need the encoder run: encoder_outputs cannot be given")
+    dec = info.decoder
+    kwargs = {k: v for k, v in decoder_inputs.items() if k != "encoder_outputs"}
+    kwargs["encoder_hidden_states"] = encoder_outputs[0]
+    if "encoder_attention_mask" in dec.forward_params and inputs.get("attention_mask") is not None:
+        kwargs["encoder_attention_mask"] = inputs["attention_mask"]
+    states, out = _run_stack(model.get_decoder(), dec, dec_wanted, early_exit, kwargs)
+    captured.update({(DECODER, i): v for i, v in states.items()})
+    return captured, out
+
+
+def _run_stack(
+    model: nn.Module, info: BackboneInfo, wanted: set[int], early_exit: bool, inputs: dict
+) -> tuple[dict[int, torch.Tensor], object | None]:
+    """``run_backbone`` for one block stack run by ``model`` (see there)."""
     if torch.compiler.is_compiling():
         return _run_traced(model, info, wanted, inputs)
     L = info.num_layers
     captured: dict[int, torch.Tensor] = {}
-    from_output = L in wanted and info.tie_last
-    hooked = sorted(i for i in wanted if not (i == L and info.tie_last))
+    from_output = (L in wanted and info.tie_last) or L + 1 in wanted
+    hooked = sorted(i for i in wanted if i <= L and not (i == L and info.tie_last))
     stop_at = max(hooked) if (early_exit and hooked and not from_output) else None
     handles = []
 
@@ -195,11 +359,16 @@ def run_backbone(
         for h in handles:
             h.remove()
     if from_output:
-        captured[L] = out[0] if not hasattr(out, "last_hidden_state") else out.last_hidden_state
+        last = _last_hidden_state(out)
+        captured.update({i: last for i in wanted if i == L + 1 or (i == L and info.tie_last)})
     missing = wanted - set(captured)
     if missing:
         raise RuntimeError(f"layers {sorted(missing)} did not run in {type(model).__name__}")
     return captured, out
+
+
+def _last_hidden_state(out: object) -> torch.Tensor:
+    return out[0] if not hasattr(out, "last_hidden_state") else out.last_hidden_state
 
 
 def _run_traced(
@@ -207,31 +376,53 @@ def _run_traced(
 ) -> tuple[dict[int, torch.Tensor], object]:
     """``run_backbone`` inside torch.compile: HF's ``hidden_states`` (the same indices)."""
     L = info.num_layers
-    if wanted <= {L} and info.tie_last:
+    if wanted <= {L + 1} or (wanted <= {L, L + 1} and info.tie_last):
         out = model(**inputs)
-        last = out[0] if not hasattr(out, "last_hidden_state") else out.last_hidden_state
-        return {L: last} if wanted else {}, out
+        return {i: _last_hidden_state(out) for i in wanted}, out
     asked = inputs.get("output_hidden_states")
     out = model(**{**inputs, "output_hidden_states": True})
     states = out.hidden_states
-    captured = {i: states[i] for i in wanted}
+    captured = {i: (_last_hidden_state(out) if i == L + 1 else states[i]) for i in wanted}
     if not asked:
         out.hidden_states = None
     return captured, out
 
 
-def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set[int]) -> None:
+def stack_runners(model: nn.Module, info: BackboneInfo) -> list[tuple[nn.Module, BackboneInfo]]:
+    """The modules that run the block stacks, with their infos: the backbone itself, or an
+    encoder–decoder model's encoder and decoder."""
+    if info.decoder is None:
+        return [(model, info)]
+    return [(model.get_encoder(), info), (model.get_decoder(), info.decoder)]
+
+
+def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
     """Install transformers' own output-capturing hooks now, as its first
     ``output_hidden_states=True`` call would: under torch.compile heads below the last layer
     read ``hidden_states``, and hooks cannot be installed inside a traced graph. They do
-    nothing unless hidden states are asked for."""
-    if wanted <= {info.num_layers} and info.tie_last:
-        return
+    nothing unless hidden states are asked for. Each stack's runner gets them (an
+    encoder–decoder model's two stacks); every part of a vision-language model does (its
+    vision tower records its states whatever the heads read)."""
     try:
         from transformers.utils import output_capturing as oc
     except ImportError:  # transformers < 5.2.0: hidden_states without hooks
         return
     registry = getattr(oc, "_CAN_RECORD_REGISTRY", None)
     install = getattr(oc, "maybe_install_capturing_hooks", None)
-    if registry is not None and install is not None and registry.get(model).get("hidden_states"):
-        install(model)
+    if registry is None or install is None:
+        return
+    if info.modality == "vision-language":  # its vision tower always records its states
+        for module in model.modules():
+            if isinstance(module, PreTrainedModel) and registry.get(module).get("hidden_states"):
+                install(module)
+        return
+    for runner, stack in stack_runners(model, info):
+        keys = {
+            (k if isinstance(k, int) else k[1])
+            for k in wanted
+            if isinstance(k, int) == (stack.stack != DECODER)
+        }
+        if keys <= {stack.num_layers + 1} or (keys <= {stack.num_layers} and stack.tie_last):
+            continue
+        if registry.get(runner).get("hidden_states"):
+            install(runner)

@@ -34,11 +34,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel
 
 from ..errors import CheckpointError, ConfigError, HeadkitError
 from .fingerprint import LoadStamp, files_fingerprint, tensors_fingerprint, weight_files
 from .inspection import base_model_of
+from .modalities import language_model_class
 from .safety import check_local, inside_package, inside_tree, refuse_pickles
 
 #: from_pretrained keyword arguments recorded with a referenced backbone (JSON-safe strings).
@@ -108,10 +109,13 @@ def load_backbone(
 ) -> PreTrainedModel:
     """``from_pretrained`` with headkit's defaults; loading errors become CheckpointError.
 
+    ``causal_lm`` loads the model with its LM head: ``AutoModelForCausalLM``, or the
+    sequence-to-sequence, speech-to-text or image-text-to-text class of such a config.
+
     ``trust_remote_code`` is False unless the caller passes True itself: a config's
     ``auto_map`` never runs code and never makes transformers prompt on standard input.
     """
-    cls = model_class or (AutoModelForCausalLM if causal_lm else AutoModel)
+    cls = model_class or AutoModel
     check_local(source)
     if kwargs.get("use_safetensors") is True:
         refuse_pickles(source, kwargs)
@@ -123,6 +127,10 @@ def load_backbone(
         kwargs["device_map"] = device_map
     kwargs["trust_remote_code"] = kwargs.get("trust_remote_code") is True
     try:
+        if causal_lm and model_class is None:  # T5, Whisper, Llava: their own LM classes
+            cls = language_model_class(
+                AutoConfig.from_pretrained(str(source), **_config_kwargs(kwargs))
+            )
         return cls.from_pretrained(str(source), **kwargs)
     except HeadkitError:
         raise
@@ -138,6 +146,12 @@ def load_backbone(
         pickle.UnpicklingError,  # a referenced *.bin that torch.load(weights_only=True) refuses
     ) as e:
         raise CheckpointError(f"cannot load a backbone from {str(source)!r}: {e}") from None
+
+
+def _config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``from_pretrained`` keywords that locate a config."""
+    wanted = ("gguf_file", "revision", "subfolder", "trust_remote_code", "token", "cache_dir")
+    return {k: v for k, v in kwargs.items() if k in wanted}
 
 
 def source_of(
@@ -306,7 +320,8 @@ def resolve_model(
 def load_model(
     source: str | os.PathLike, model_kwargs: dict[str, Any] | None = None, causal_lm: bool = False
 ) -> PreTrainedModel:
-    """``AutoModel`` (or ``AutoModelForCausalLM``) from ``source``, in eval mode, through
+    """``AutoModel`` (or the model with its LM head: ``modalities.language_model_class``) from
+    ``source``, in eval mode, through
     ``source.load_backbone``: no code from the checkpoint runs, and loading errors become a
     CheckpointError naming the source."""
     path, kwargs = resolve_model(source, model_kwargs)

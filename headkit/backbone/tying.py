@@ -9,6 +9,7 @@ manifest) and never write it; restoring ties it again to whatever embeddings the
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..heads.base import Head
+from .modalities import lm_logits_rule
 
 if TYPE_CHECKING:
     from ..config import HeadConfig
@@ -45,7 +47,10 @@ def init_lm_head(
     Only a head that is nothing but its output projection (``Head.projection_only``: a
     one-layer MLP head) of the LM head's shape starts there. A frozen one, on a frozen backbone
     that ties its LM head to its input embeddings, shares that matrix (no copy); otherwise the
-    head gets a copy (and the bias, or zeros).
+    head gets a copy (and the bias, or zeros). What the task model adds around its LM head is
+    folded in (``modalities.lm_logits_rule``): T5's scaling of the states into the weight,
+    BART's ``final_logits_bias`` into the head's bias (a head without one warns when it is
+    not zero).
     """
     cfg = configs.get("lm_head")
     if cfg is None or not cfg.is_causal_lm:
@@ -56,16 +61,26 @@ def init_lm_head(
     if lin is None or not isinstance(out, nn.Linear) or out.weight.shape != lin.weight.shape:
         return
     emb = input_embedding_weight(backbone)
+    scale, extra_bias = lm_logits_rule(task_model)
     same_dtype = lin.bias is None or lin.bias.dtype == out.weight.dtype
-    if out.weight is emb and not cfg.trainable and frozen_backbone and same_dtype:
+    if out.weight is emb and not cfg.trainable and frozen_backbone and same_dtype and scale == 1:
         lin.weight = emb
     else:
-        lin.weight.copy_(out.weight)
+        lin.weight.copy_(out.weight * scale if scale != 1 else out.weight)
     if lin.bias is not None:
         if out.bias is not None:
             lin.bias.copy_(out.bias)
         else:
             lin.bias.zero_()
+        if extra_bias is not None:
+            lin.bias.add_(extra_bias.reshape(-1).to(lin.bias.dtype))
+    elif extra_bias is not None and bool(extra_bias.any()):
+        warnings.warn(
+            f"{type(task_model).__name__} adds final_logits_bias to its LM head's logits; head "
+            "'lm_head' has no bias to hold it (HeadConfig(..., output_bias=True) reproduces "
+            "the model's logits exactly)",
+            stacklevel=3,
+        )
 
 
 def tied_head_weights(backbone: nn.Module, heads: nn.Module, prefix: str = "heads.") -> list[str]:

@@ -39,6 +39,8 @@ EXAMPLE = """example:
       --output runs/probe
   headkit probe --model ./my-bert --data pos.jsonl --task token --layers -4: --output runs/pos
   headkit probe --model packaged:minilm --data train.csv --test-data test.csv --output runs/p
+  headkit probe --model ./my-vit --data images.csv --image-column path --output runs/vit
+  headkit probe --model ./my-wav2vec2 --data clips.csv --audio-column wav --output runs/w2v
 writes DIR/probe_results.json (held-out "accuracy" or "r2" per layer) and DIR/probe_results.png;
 with --test-data the probes are scored on that file (validation still comes from --data)"""
 
@@ -56,6 +58,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "out --test-fraction of --data",
     )
     add("--text-column", default="text", help="default: text (token task: the words)")
+    media = p.add_mutually_exclusive_group()
+    media.add_argument(
+        "--image-column",
+        help="probe images instead of texts: a column of image paths (relative to the data "
+        "file's folder) or a datasets Image column, read by the model folder's image processor",
+    )
+    media.add_argument(
+        "--audio-column",
+        help="probe audio instead of texts: a column of WAV paths (relative to the data "
+        "file's folder) or a datasets Audio column, read by the model folder's feature extractor",
+    )
     add("--label-column", default="label", help="default: label (token task: one per word)")
     add("--task", default="classification", choices=("classification", "regression", "token"))
     # no string default: argparse would convert it (importing torch) before a usage error
@@ -137,25 +150,31 @@ def run(args: argparse.Namespace) -> None:
 
 
 def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
-    """(inputs, labels) of a data file by the task: texts and classes, numbers or per-word
-    labels; empty label cells are refused with their row numbers."""
+    """(inputs, labels) of a data file by the task: texts (or images / audio by
+    ``--image-column`` / ``--audio-column``) and classes, numbers or per-word labels; empty
+    label cells are refused with their row numbers."""
     from ..data.encoding import as_class
     from .datafiles import as_list, as_number, read_rows, require_columns, require_labels
 
     rows = read_rows(source, args.limit, args.encoding)
-    tc, lc = args.text_column, args.label_column
-    require_columns(rows, {"--text-column": tc, "--label-column": lc}, source)
+    option, tc, lc = "--text-column", args.text_column, args.label_column
+    if args.image_column or args.audio_column:
+        option = "--image-column" if args.image_column else "--audio-column"
+        tc = args.image_column or args.audio_column
+    require_columns(rows, {option: tc, "--label-column": lc}, source)
     require_labels(rows, {"--label-column": lc}, source)
-    if args.task == "token":
+    if args.task == "token" and option == "--text-column":
         texts = [as_list(r[tc], tc, i) for i, r in enumerate(rows)]
         labels = [[as_class(v) for v in as_list(r[lc], lc, i)] for i, r in enumerate(rows)]
-    else:
-        texts = [str(r[tc]) for r in rows]
-        if args.task == "classification":
-            labels = [as_class(r[lc]) for r in rows]
-        else:
-            labels = [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
-    return texts, labels
+        return texts, labels
+    if option == "--text-column":
+        inputs = [str(r[tc]) for r in rows]
+    else:  # images or audio: paths beside the data file, or datasets cells
+        audio = option == "--audio-column"
+        inputs = [_media_cell(r[tc], Path(source).parent, audio) for r in rows]
+    if args.task == "regression":
+        return inputs, [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
+    return inputs, [as_class(r[lc]) for r in rows]
 
 
 def check_results_folder(output: str, inputs: list[Path], overwrite: bool) -> Path:
@@ -176,6 +195,20 @@ def check_results_folder(output: str, inputs: list[Path], overwrite: bool) -> Pa
         if source.exists() and out.exists() and os.path.samefile(out, source):
             raise ConfigError(f"--output={output!r} is the input {str(source)!r}; write elsewhere")
     return out
+
+
+def _media_cell(value: object, base: Path, audio: bool) -> object:
+    """An image or audio cell: a path (relative paths found beside the data file) or what a
+    ``datasets`` Image / Audio column holds (an Audio cell's bytes decoded here, so that it
+    is not taken for an image)."""
+    if isinstance(value, str) and not Path(value).is_absolute() and not Path(value).exists():
+        return str(base / value)
+    if audio and isinstance(value, dict) and value.get("bytes") and "array" not in value:
+        from ..data.media import read_audio
+
+        samples, rate = read_audio(value["bytes"])
+        return {"array": samples, "sampling_rate": rate}
+    return value
 
 
 def write_results(results: ProbeResults, out: Path) -> None:

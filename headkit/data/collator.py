@@ -12,6 +12,7 @@ and a ``label`` / ``label_ids`` column is that head's label too.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,7 @@ from ..backbone.inputs import TOKEN_INPUT_PADS as _TOKEN_INPUTS
 from ..errors import BatchError, ConfigError
 from ..losses.objective import IGNORE_INDEX, TargetRule, target_rules
 from ..model.labels import RENAMED_TO_LABELS, single_loss_target
+from .signals import collate_signals, signal_keys
 
 
 class HeadedCollator:
@@ -37,6 +39,11 @@ class HeadedCollator:
     padding from ``attention_mask``. ``padding_side`` defaults to the tokenizer's, else "right".
     ``label_pad_value`` pads token-level labels (per target with a dict; default -100) and
     fills labels missing from some examples. ``labels_key=None`` puts targets at the top level.
+
+    Images, audio and decoder inputs (the backbone's inputs beyond the token ones:
+    ``pixel_values``, ``input_values``, ``input_features``, ``decoder_input_ids``, ...) are
+    stacked or padded as ``data/signals.py`` says; an example of an image or audio model needs
+    no ``input_ids``.
     """
 
     def __init__(
@@ -80,6 +87,7 @@ class HeadedCollator:
                 f"HeadedCollator: token_targets={token_targets!r} is invalid; a list of target "
                 f"names (e.g. [{token_targets!r}]), not one string"
             )
+        self._signals = signal_keys(model)
         self._configs = _head_configs(model)
         self._rules: dict[str, TargetRule] = target_rules(self._configs)  # the label rule
         self._single_target = single_loss_target(self._configs) if self._configs else None
@@ -109,25 +117,27 @@ class HeadedCollator:
                 raise BatchError(
                     f"HeadedCollator: feature {i} is a {type(f).__name__}; expected a dict"
                 )
-            if "input_ids" not in f:
+        signals = any(f.get(k) is not None for f in features for k in self._signals)
+        for i, f in enumerate(features):
+            if "input_ids" not in f and not signals:  # images or audio: checked with them
                 raise BatchError(
                     f"HeadedCollator: feature {i} has no 'input_ids' (keys: {sorted(f)})"
                 )
-        ids = [_as_1d(f["input_ids"], "input_ids", i) for i, f in enumerate(features)]
-        lengths = [len(x) for x in ids]
-        width = max(lengths)
-        if self.pad_to_multiple_of:
-            m = self.pad_to_multiple_of
-            width = -(-width // m) * m
-        batch: dict[str, Any] = {"input_ids": self._pad(ids, self.pad_token_id, width)}
-        masks = _token_rows(features, lengths, "attention_mask", fill=1)
-        batch["attention_mask"] = self._pad(masks, 0, width)
-        for key in ("token_type_ids", "position_ids"):
-            if any(f.get(key) is not None for f in features):
-                rows = _token_rows(features, lengths, key, fill=0)
-                batch[key] = self._pad(rows, _TOKEN_INPUTS[key], width)
-
+        batch, lengths, width = self._token_inputs(features)
+        pad = functools.partial(self._pad, width=width)  # rows, value → padded like input_ids
+        batch.update(collate_signals(features, self._signals, self.pad_token_id, lengths, pad))
         keys = [k for k in dict.fromkeys(k for f in features for k in f) if k not in _TOKEN_INPUTS]
+        keys = [k for k in keys if k not in self._signals]
+        if lengths is None:  # images or audio: labels are per example
+            lengths = [-1] * len(features)
+            token = [k for k in keys if self._target_of(k, keys) in self._rules]
+            token = [k for k in token if self._rules[self._target_of(k, keys)].layout == "token"]
+            if token:
+                raise BatchError(
+                    f"HeadedCollator: target {token[0]!r} is read per token, but the examples "
+                    "have no input_ids to align it with"
+                )
+
         labels: dict[str, torch.Tensor] = {}
         for key in keys:
             target = self._target_of(key, keys)
@@ -159,6 +169,34 @@ class HeadedCollator:
         )
 
     # ------------------------------------------------------------------ helpers
+    def _token_inputs(
+        self, features: Sequence[Mapping[str, Any]]
+    ) -> tuple[dict[str, Any], list[int] | None, int]:
+        """(the padded token inputs, each example's length, the padded width); ({}, None, 0)
+        for examples without ``input_ids`` (images, audio)."""
+        if not any("input_ids" in f for f in features):
+            return {}, None, 0
+        missing = [i for i, f in enumerate(features) if "input_ids" not in f]
+        if missing:
+            raise BatchError(
+                f"HeadedCollator: feature {missing[0]} has no 'input_ids' (keys: "
+                f"{sorted(features[missing[0]])})"
+            )
+        ids = [_as_1d(f["input_ids"], "input_ids", i) for i, f in enumerate(features)]
+        lengths = [len(x) for x in ids]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            m = self.pad_to_multiple_of
+            width = -(-width // m) * m
+        batch: dict[str, Any] = {"input_ids": self._pad(ids, self.pad_token_id, width)}
+        masks = _token_rows(features, lengths, "attention_mask", fill=1)
+        batch["attention_mask"] = self._pad(masks, 0, width)
+        for key in ("token_type_ids", "position_ids"):
+            if any(f.get(key) is not None for f in features):
+                rows = _token_rows(features, lengths, key, fill=0)
+                batch[key] = self._pad(rows, _TOKEN_INPUTS[key], width)
+        return batch, lengths, width
+
     def _target_of(self, key: str, keys: list[str]) -> str:
         """The head target a feature key holds: itself, or for a model with one head that
         has a loss, a ``label`` / ``label_ids`` / ``labels`` column is that head's label."""

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ..backbone.inputs import BATCH_INPUTS, drop_tokenizer_extras, prepare_inputs, run_stage
+from ..backbone.inputs import batch_inputs, drop_tokenizer_extras, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
 from ..losses.objective import (
     IGNORE_INDEX,
@@ -188,7 +188,8 @@ def _loader(
             from ..data.collator import HeadedCollator
 
             collate_fn = HeadedCollator(model)
-        dataset = keep_model_columns(dataset, model.head_configs, "cache_features")
+        own = model.info.extra_inputs  # the backbone's own inputs beyond the usual ones
+        dataset = keep_model_columns(dataset, model.head_configs, "cache_features", own)
         if world == 1:
             return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
     elif world == 1:
@@ -207,9 +208,10 @@ def _cache_batch(
     """Run the backbone on one batch and append its features and labels; (targets, lengths)."""
     inputs, labels = _split_batch(model, batch)
     mask = inputs.mask
+    masks = model.head_masks(inputs)  # per head: its stack's positions, pool_over
     wanted = {info["layer"] for info in heads.values()}
     captured, _ = run_stage(model.backbone, model.info, inputs, wanted, model.early_exit)
-    ref = next(iter(captured.values()))  # (batch, seq, hidden)
+    ref = next(v for k, v in captured.items() if isinstance(k, int))  # (batch, seq, hidden)
     real = mask.bool() if mask is not None else torch.ones(ref.shape[:2], dtype=torch.bool)
     real = real.to(ref.device)
     causal = any(c.is_causal_lm for c in model.head_configs.values())
@@ -225,7 +227,7 @@ def _cache_batch(
         done.add(info["features"])
         hidden = captured[info["layer"]]
         if info["layout"] == "pooled":
-            x = model.heads[name].features(hidden, mask)  # (batch, width)
+            x = model.heads[name].features(hidden, masks[name])  # (batch, width)
         else:
             x = hidden[real]  # (batch tokens, hidden)
         writer.append(f"features/{info['features']}", x.to(dtype))
@@ -270,18 +272,27 @@ def check_frozen(model: HeadedModel) -> None:
 
 def _plan_heads(model: HeadedModel) -> dict[str, dict[str, Any]]:
     """Per head: what to store ("pooled" vector or "tokens"), under which key, from which layer."""
-    hooks = model.hooked_layers()
+    hooks = model.state_keys()
     plan = {}
     for name, head in model.heads.items():
         cfg = model.head_configs[name]
         layer = hooks[name]
+        if not isinstance(layer, int) and not cfg.pred_for_sequence:
+            raise ConfigError(
+                f"head {name!r} reads the decoder per position; cached features keep the "
+                "encoder's positions: cache sequence heads of the decoder, or train it through "
+                "HeadedModel.forward"
+            )
+        place = f"L{layer}" if isinstance(layer, int) else f"D{layer[1]}"
+        if cfg.pool_over != "all":
+            place += f".{cfg.pool_over}"
         trainable_pool = head.pooling is not None and any(
             p.requires_grad for p in head.pooling.parameters()
         )
         if cfg.pred_for_sequence and not trainable_pool:
-            layout, key = "pooled", f"L{layer}.{cfg.pooling}"
+            layout, key = "pooled", f"{place}.{cfg.pooling}"
         else:
-            layout, key = "tokens", f"L{layer}.tokens"
+            layout, key = "tokens", f"{place}.tokens"
         plan[name] = {
             "layout": layout,
             "features": key,
@@ -308,20 +319,21 @@ def _split_batch(model: HeadedModel, batch: Any) -> tuple[Any, dict[str, Any]]:
         )
     targets = {c.target for c in model.head_configs.values()}
     batch = drop_tokenizer_extras(batch, targets)
-    unknown = sorted(k for k in batch if k not in targets | {"labels"} and k not in BATCH_INPUTS)
+    allowed = batch_inputs(model.info)
+    unknown = sorted(k for k in batch if k not in targets | {"labels"} and k not in allowed)
     if unknown:
         raise BatchError(
             f"unexpected batch key(s) {unknown} while caching features; allowed: model inputs "
-            f"{list(BATCH_INPUTS)} and head targets {sorted(targets)}"
+            f"{list(allowed)} and head targets {sorted(targets)}"
         )
     device = model.device
     given = {
         k: (v.to(device) if isinstance(v, torch.Tensor) else v)
         for k, v in batch.items()
-        if k in BATCH_INPUTS and v is not None
+        if k in allowed and v is not None
     }
     inputs = prepare_inputs(model.backbone, model.info, given, check=model.check_inputs)
-    given = {k: v for k, v in batch.items() if k not in BATCH_INPUTS}
+    given = {k: v for k, v in batch.items() if k not in allowed}
     labels = {k: v for k, v in route_labels(model.head_configs, given).items() if v is not None}
     return inputs, labels
 

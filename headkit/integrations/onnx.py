@@ -199,6 +199,13 @@ def export_onnx(
 
 
 def _check_exportable(model: HeadedModel) -> None:
+    info = model.info
+    if info.modality != "text" or info.encoder_decoder:
+        kind = "an encoder–decoder" if info.encoder_decoder else f"a {info.modality}"
+        raise ConfigError(
+            f"ONNX export takes text encoders and decoders (input_ids, attention_mask); "
+            f"{type(model.backbone).__name__} is {kind} model"
+        )
     if "input_ids" not in model.info.forward_params:
         raise ConfigError(
             f"ONNX export takes token inputs (input_ids, attention_mask); "

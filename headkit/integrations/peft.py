@@ -33,6 +33,7 @@ from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
 from ..loading import bind_positional, load_headed
 from ..model.headed import HeadedModel
+from ..model.reading import reached_blocks
 
 DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.05}
 
@@ -189,12 +190,12 @@ def add_lora(model: HeadedModel, lora_config: Any, adapter_name: str = "default"
 
 def default_lora_targets(model: HeadedModel) -> list[str]:
     """Names of every linear layer (``nn.Linear``, GPT-2's ``Conv1D``, bitsandbytes layers) in
-    the backbone's blocks that run before the deepest hooked layer."""
+    the backbone's blocks that run before the deepest hooked layer (an encoder–decoder
+    model's whole encoder and its decoder up to there, for heads on its decoder)."""
     deepest = max(model.hooked_layers().values(), default=0)
-    blocks = model.info.layers[:deepest]
-    prefix = model.info.layers_path
     names = [
         f"{prefix}.{i}.{name}"
+        for prefix, blocks in reached_blocks(model.info, model.state_keys().values())
         for i, block in enumerate(blocks)
         for name, m in block.named_modules()
         if name and _is_linear(m)

@@ -27,6 +27,9 @@ from transformers.utils import ModelOutput
 from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
 from .budget import check_generation_size
+from .labels import with_keywords
+from .recording import Recorder, stitch, until_eos
+from .seq2seq import Seq2SeqDriver
 
 if TYPE_CHECKING:
     from .headed import HeadedModel
@@ -85,7 +88,7 @@ class HeadedGenerationMixin:
     @torch.no_grad()
     def generate(
         self: HeadedModel,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         generation_config: GenerationConfig | None = None,
         *,
@@ -119,6 +122,9 @@ class HeadedGenerationMixin:
         alone (only as deep as the deepest head) gives its head outputs. Heads named in
         ``ignore_heads`` are not computed. Prompts must be left-padded (no ``attention_mask``:
         every token counts, pad ids included); the model runs in eval mode while generating.
+        An encoder–decoder model (T5, BART, Whisper) generates from its encoder's input
+        (``input_ids``, or ``input_features=`` for Whisper; padded on either side) with heads
+        on its decoder (``stack="decoder"``); "prompt" positions are then the decoder's start.
         See ``HeadedGenerateOutput`` and ``docs/generation.md``.
         """
         if head_outputs_at not in HEAD_OUTPUTS_AT:
@@ -129,7 +135,7 @@ class HeadedGenerationMixin:
         ignore = {ignore_heads} if isinstance(ignore_heads, str) else set(ignore_heads)
         plan = _plan(self, ignore, lm_head_name)
         _check_prompt(self, input_ids, attention_mask, kwargs)
-        if attention_mask is None:  # headkit's rule: no mask, every token counts
+        if attention_mask is None and not self.info.encoder_decoder:  # every token counts
             attention_mask = torch.ones_like(input_ids)
         if generation_config is not None:
             generation_config = copy.deepcopy(generation_config)
@@ -137,9 +143,10 @@ class HeadedGenerationMixin:
         else:
             kwargs["return_dict_in_generate"] = True
         effective = _effective_config(self, generation_config, kwargs)
-        layers, recorded = plan.head_layers | {plan.lm_layer}, set(plan.sequence_heads.values())
+        keys, recorded = plan.head_layers | {plan.lm_layer}, set(plan.sequence_heads.values())
+        layers = {k if isinstance(k, int) else k[1] for k in keys}  # (DECODER, index) too
         check_generation_size(self, input_ids, effective, layers, len(recorded))
-        driver = _driver_class(type(self.backbone))(self, plan)
+        driver = _driver_class(type(self.backbone), self.info.encoder_decoder)(self, plan)
         was_training = self.training
         self.eval()  # dropout would add noise and draw from the sampling RNG
         try:
@@ -160,17 +167,23 @@ class _Plan:
     """Which head chooses tokens, and which heads are computed at every step."""
 
     lm: str
-    lm_layer: int
-    token_heads: dict[str, int]
-    sequence_heads: dict[str, int]
+    lm_layer: Any  # the state each head reads (HeadedModel.state_keys)
+    token_heads: dict[str, Any]
+    sequence_heads: dict[str, Any]
 
     @property
-    def head_layers(self) -> set[int]:
+    def head_layers(self) -> set:
         return set(self.token_heads.values()) | set(self.sequence_heads.values())
 
 
 def _plan(model: HeadedModel, ignore: set[str], lm_name: str | None) -> _Plan:
-    if not model.info.is_decoder:
+    if model.info.own_positions:
+        raise ConfigError(
+            f"generate with heads does not support {type(model.backbone).__name__}, which "
+            "numbers positions from its images itself (multimodal rotary positions); run "
+            "forward on the generated sequences instead"
+        )
+    if not model.info.is_decoder and not model.info.encoder_decoder:
         raise ConfigError(
             f"generate needs a decoder-only backbone; {type(model.backbone).__name__} is "
             "bidirectional (every position sees the whole input)"
@@ -192,7 +205,14 @@ def _plan(model: HeadedModel, ignore: set[str], lm_name: str | None) -> _Plan:
             f"({vocab}); generate needs a causal-LM head over the whole vocabulary"
         )
     active = [n for n in model.head_configs if n != lm and n not in ignore]
-    hooks = model.hooked_layers()
+    hooks = model.state_keys()
+    on_encoder = [n for n in [lm, *active] if isinstance(hooks[n], int)]
+    if model.info.encoder_decoder and on_encoder:
+        raise ConfigError(
+            f"generate on an encoder–decoder model computes heads on its decoder; head(s) "
+            f"{on_encoder} read the encoder (stack='encoder'): give them stack='decoder' or "
+            "pass ignore_heads="
+        )
     return _Plan(
         lm=lm,
         lm_layer=hooks[lm],
@@ -236,6 +256,11 @@ def _check_prompt(
             f"generate with heads builds its own KV cache; {given[0]}= is not supported (head "
             "outputs need every position's states)"
         )
+    if model.info.encoder_decoder:  # the encoder's input: checked, padded on either side
+        main = model.info.main_input
+        given = {main: input_ids if main == "input_ids" else kwargs.get(main)}
+        prepare_inputs(model.backbone, model.info, {**given, "attention_mask": attention_mask})
+        return
     if input_ids is None:
         raise BatchError("generate needs input_ids (the prompts)")
     check_inputs(model.backbone, input_ids, None, attention_mask, None, None)
@@ -295,8 +320,11 @@ class _HeadedDriver:
         self.__dict__["_headed"] = headed  # not a submodule: no second copy of its parameters
         self.plan = plan
         self.generation_config = copy.deepcopy(default_generation_config(headed))
-        self.recorder = _Recorder()
+        self.recorder = Recorder()
         self.final_step = False
+        self.batch_size: int | None = None  # rows of the first forward (prompts)
+        self.forward = with_keywords(self.forward, headed.info.extra_inputs)  # pixel_values...
+        self.prompt_length: int | None = None  # an encoder–decoder model's decoder start
 
     def forward(
         self,
@@ -325,30 +353,68 @@ class _HeadedDriver:
             "use_cache": use_cache,
             **flags,
         }
+        if past == 0:  # a vision-language model's images, with the prompt only
+            own = headed.info.extra_inputs
+            given = {k: v for k, v in kwargs.items() if k in own and v is not None}
+            batch.update({k: v for k, v in given.items() if not isinstance(v, dict) or v})
         inputs = prepare_inputs(headed.backbone, headed.info, batch, check=False)
         layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
         # Stop after the deepest needed block: a step needs the cache object it was given
         # (filled in place), and the final step needs no cache at all.
         early = cache is not None and not any(flags.values())
         captured, out = run_stage(headed.backbone, headed.info, inputs, layers, early)
+        logits, cache = self.step(
+            past, input_ids, position_ids, captured, out, cache, logits_to_keep
+        )
+        return CausalLMOutputWithPast(
+            logits=logits,
+            cache=cache,
+            hidden_states=getattr(out, "hidden_states", None),
+            attentions=getattr(out, "attentions", None),
+        )
+
+    def step(
+        self,
+        past: int,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        captured: dict,
+        out: Any,
+        cache: Any,
+        logits_to_keep: int | torch.Tensor,
+    ) -> tuple[torch.Tensor | None, Any]:
+        """(next-token logits from the causal-LM head, the cache) of one forward's captured
+        states; every other head's output recorded."""
+        headed, plan = self._headed, self.plan
+        if self.batch_size is None and input_ids is not None:
+            self.batch_size = int(input_ids.shape[0])
         logits = None
         if not self.final_step:
             hidden = slice_logits_to_keep(captured[plan.lm_layer], logits_to_keep)
             lm = headed.heads[plan.lm]
             logits = lm.from_features(lm.features(hidden))  # (batch, kept, vocab)
         self.recorder.record(past, input_ids, position_ids, captured, logits, headed, plan)
-        return CausalLMOutputWithPast(
-            logits=logits,
-            cache=cache_of(out) if out is not None else cache,
-            hidden_states=getattr(out, "hidden_states", None),
-            attentions=getattr(out, "attentions", None),
-        )
+        return logits, cache_of(out) if out is not None else cache
+
+    def final_inputs(
+        self, last: torch.Tensor, seen: torch.Tensor, cache: Any, position_ids: Any
+    ) -> dict[str, Any]:
+        """The keyword arguments of the extra step over the last generated token (``seen``:
+        the mask over every position so far)."""
+        return {
+            "input_ids": last,
+            "attention_mask": seen,
+            "position_ids": position_ids,
+            "cache": cache,
+            "use_cache": True,
+        }
 
 
 @functools.cache
-def _driver_class(backbone_cls: type) -> type:
+def _driver_class(backbone_cls: type, encoder_decoder: bool = False) -> type:
     """A generating model class of the backbone's family (``GPT2PreTrainedModel``, ...), so that
-    ``generate`` sees that family's flags (attention kernels, cache support) and class name."""
+    ``generate`` sees that family's flags (attention kernels, cache support) and class name;
+    an encoder–decoder family's drives its decoder (``seq2seq.Seq2SeqDriver``)."""
     family = [
         c
         for c in backbone_cls.__mro__
@@ -356,77 +422,8 @@ def _driver_class(backbone_cls: type) -> type:
     ]
     root = family[-1] if family else PreTrainedModel
     name = f"Headed{backbone_cls.__name__}ForGeneration"
-    return type(name, (_HeadedDriver, root, GenerationMixin), {"__module__": __name__})
-
-
-# ---------------------------------------------------------------------- recording
-class _Recorder:
-    """Per-forward results keyed by the absolute position of the forward's first new token,
-    so a chunked prefill or a step that generate later undoes is stitched back in order."""
-
-    def __init__(self) -> None:
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last logits, logsumexp
-        self.logprobs: dict[int, torch.Tensor] = {}  # position → (batch,)
-        self.token_outputs: dict[str, dict[int, torch.Tensor]] = {}
-        self.states: dict[int, dict[int, torch.Tensor]] = {}  # layer → position → states
-        self.last_position_ids: torch.Tensor | None = None
-
-    def record(
-        self,
-        past: int,
-        input_ids: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        captured: dict[int, torch.Tensor],
-        logits: torch.Tensor | None,
-        headed: HeadedModel,
-        plan: _Plan,
-    ) -> None:
-        if self.pending is not None and input_ids is not None:
-            self.logprobs[past] = self.logprob_of(input_ids[:, :1])
-        self.pending = None
-        if logits is not None:  # log p(token) = logit - logsumexp, read once the token is known
-            last = logits[:, -1].float()  # (batch, vocab)
-            self.pending = (last, torch.logsumexp(last, -1))
-        if position_ids is not None:
-            self.last_position_ids = position_ids[..., -1:]
-        for name, layer in plan.token_heads.items():
-            out = headed.heads[name](captured[layer])  # (batch, new, num_outputs)
-            self.token_outputs.setdefault(name, {})[past] = out
-        for layer in set(plan.sequence_heads.values()):
-            self.states.setdefault(layer, {})[past] = captured[layer]
-
-    def logprob_of(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(batch, 1) tokens → (batch,) their log-probabilities under the pending logits."""
-        logits, lse = self.pending
-        return logits.gather(-1, tokens).squeeze(-1) - lse
-
-
-def _stitch(pieces: dict[int, torch.Tensor], start: int, stop: int) -> torch.Tensor:
-    """Positions ``start..stop-1`` of per-forward pieces (batch, n, ...) keyed by first position;
-    a later piece overwrites an earlier one at the same positions."""
-    first = next(iter(pieces.values()))
-    out = first.new_zeros((first.shape[0], stop - start, *first.shape[2:]))
-    covered = torch.zeros(stop - start, dtype=torch.bool)  # bookkeeping on the CPU
-    for pos in sorted(pieces):
-        piece = pieces[pos]
-        lo, hi = max(pos, start), min(pos + piece.shape[1], stop)
-        if lo < hi:
-            out[:, lo - start : hi - start] = piece[:, lo - pos : hi - pos]
-            covered[lo - start : hi - start] = True
-    if not bool(covered.all()):
-        missing = (~covered).nonzero().flatten()[:5].add(start).tolist()
-        raise RuntimeError(f"generate recorded no states at positions {missing} (headkit bug)")
-    return out
-
-
-def _until_eos(generated: torch.Tensor, eos: Any) -> torch.Tensor:
-    """(rows, N) → 1 up to and including each row's first eos token, 0 after it."""
-    if eos is None:
-        return torch.ones_like(generated)
-    ids = torch.as_tensor(eos, device=generated.device).flatten()  # an id, ids or a tensor
-    is_eos = torch.isin(generated, ids).long()
-    ended_before = is_eos.cumsum(-1) - is_eos  # eos tokens strictly before each position
-    return (ended_before == 0).long()
+    bases = (Seq2SeqDriver,) if encoder_decoder else ()
+    return type(name, (*bases, _HeadedDriver, root, GenerationMixin), {"__module__": __name__})
 
 
 def _finish(
@@ -441,12 +438,16 @@ def _finish(
     (``at``: see ``HEAD_OUTPUTS_AT``)."""
     sequences = out.sequences  # (rows, P + N)
     rows, total = sequences.shape
-    P = input_ids.shape[1]
+    seq2seq = driver.prompt_length is not None  # P: the decoder's start
+    P = driver.prompt_length if seq2seq else input_ids.shape[1]
     N = total - P
     # rows = batch × num_return_sequences, each prompt's rows together (repeat_interleave)
-    prompt_mask = attention_mask.long().repeat_interleave(rows // input_ids.shape[0], 0)
+    if seq2seq:
+        prompt_mask = torch.ones((rows, P), dtype=torch.long)
+    else:
+        prompt_mask = attention_mask.long().repeat_interleave(rows // input_ids.shape[0], 0)
     prompt_mask = prompt_mask.to(sequences.device)
-    generated_mask = _until_eos(sequences[:, P:], config.eos_token_id)
+    generated_mask = until_eos(sequences[:, P:], config.eos_token_id)
     full_mask = torch.cat([prompt_mask, generated_mask], -1)
     dev = driver.device  # generate may keep the sequences where the prompts were
     last = sequences[:, -1:].to(dev)
@@ -454,22 +455,18 @@ def _finish(
     if N > 0 and (plan.token_heads or plan.sequence_heads):
         last_pos = rec.last_position_ids
         driver.final_step = True
-        driver(
-            input_ids=last,
-            attention_mask=torch.cat([prompt_mask, torch.ones_like(generated_mask)], -1).to(dev),
-            position_ids=None if last_pos is None else last_pos + 1,
-            cache=out.cache,
-            use_cache=True,
-        )
+        seen = torch.cat([prompt_mask, torch.ones_like(generated_mask)], -1).to(dev)
+        position = None if last_pos is None else last_pos + 1
+        driver(**driver.final_inputs(last, seen, out.cache, position))
     elif N > 0:  # no head needs the last token's states: only its log-probability
         rec.logprobs[total - 1] = rec.logprob_of(last)
     headed = driver._headed
     shift = 1 if at == "step" else 0  # "step": entry t read one position earlier
     head_outputs = {
-        n: _stitch(rec.token_outputs[n], P - shift, total - shift) for n in plan.token_heads
+        n: stitch(rec.token_outputs[n], P - shift, total - shift) for n in plan.token_heads
     }
     for name, layer in plan.sequence_heads.items():
-        states = _stitch(rec.states[layer], 0, total)  # (rows, P + N, hidden)
+        states = stitch(rec.states[layer], 0, total)  # (rows, P + N, hidden)
         head, mask = headed.heads[name], full_mask.to(dev)
         if at == "token":
             head_outputs[name] = head(states, mask)

@@ -8,7 +8,6 @@ once per layer and shared) → heads → objective (``losses.head_loss``) → we
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -32,6 +31,7 @@ from ..backbone.inputs import (
     drop_tokenizer_extras,
     prepare_inputs,
     run_stage,
+    split_inputs,
 )
 from ..backbone.inspection import BackboneInfo, base_model_of, inspect_backbone, prepare_tracing
 from ..backbone.sources import BackboneSource, transformers_model_of
@@ -48,6 +48,7 @@ from .guards import NonFiniteGuard, ValueChecks
 from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
 from .parallel import freeze_unreached, inside_strict_ddp, join_idle
 from .placement import head_devices, loss_device, on_device_of
+from .reading import StateKey, head_masks, layer_index, mask_of, resolve_config, state_key
 from .sharding import is_sharded, save_sharded
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
@@ -155,7 +156,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self.allow_unused_labels = bool(allow_unused_labels)
         self.max_head_parameters = _check_budget(max_head_parameters)
         self.head_configs: dict[str, HeadConfig] = {}
-        self._layer_of_head: dict[str, int] = {}  # head → resolved index into hidden_states
+        self._layer_of_head: dict[str, StateKey] = {}  # head → the state it reads (reading.py)
         if isinstance(head_configs, (HeadConfig, Mapping)):  # one head: a list of one
             head_configs = [head_configs]
         for cfg in head_configs:
@@ -164,7 +165,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                 raise ConfigError(f"head_configs must hold HeadConfig objects, got {cfg!r}")
             cfg = self._resolve(cfg)
             self.head_configs[cfg.name] = cfg
-            self._layer_of_head[cfg.name] = self.info.resolve_hook(cfg.layer_hook, cfg.name)
+            self._layer_of_head[cfg.name] = state_key(self.info, cfg)
         self._check_targets()
         # each head on the device of the block producing its layer (placement.py)
         devices = head_devices(
@@ -180,9 +181,9 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         )
         #: ``generate``'s defaults: those of the task model (None: from the backbone's config)
         self.generation_config = getattr(model, "generation_config", None)
-        if model is not self.backbone:
-            frozen = freeze_base_model or not any(p.requires_grad for p in model.parameters())
-            init_lm_head(self.heads, self.head_configs, self.backbone, model, frozen)
+        # a task model's LM head (T5's task model is its own bare model: it has one too)
+        frozen = freeze_base_model or not any(p.requires_grad for p in model.parameters())
+        init_lm_head(self.heads, self.head_configs, self.backbone, model, frozen)
         if freeze_base_model:
             freeze_base(self.backbone)  # LoRA adapters, if any, stay trainable
             self.backbone.eval()  # no dropout noise in features nothing learns from
@@ -200,40 +201,15 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         """Fill the fields that depend on the backbone and check them against it."""
         if cfg.name in self.head_configs:
             raise ConfigError(f"two heads are named {cfg.name!r}; head names must be unique")
-        info = self.info
-        changes: dict[str, Any] = {}
-        if cfg.in_size is None:
-            changes["in_size"] = info.hidden_size
-        elif cfg.in_size != info.hidden_size:
-            raise ConfigError(
-                f"HeadConfig(name={cfg.name!r}): in_size={cfg.in_size} does not match the width "
-                f"of the hooked layer {cfg.layer_hook} ({info.hidden_size}, the backbone's "
-                "hidden size)"
-            )
-        if cfg.num_outputs is None:
-            if cfg.is_causal_lm and info.vocab_size is None:
-                raise ConfigError(f"HeadConfig(name={cfg.name!r}): num_outputs=None needs a vocab")
-            changes["num_outputs"] = info.vocab_size if cfg.is_causal_lm else 1
-        if cfg.pred_for_sequence and cfg.pooling is None:
-            changes["pooling"] = "last" if info.is_decoder else "first"
-        if cfg.is_causal_lm and not info.is_decoder:
-            warnings.warn(
-                f"head {cfg.name!r} is a causal-LM head on a bidirectional backbone "
-                f"({type(self.backbone).__name__}): every position sees its next token",
-                stacklevel=3,
-            )
-        cfg = cfg.replace(**changes) if changes else cfg
-        if "pooler" in cfg.pooling_strategies and info.pooler is None:
-            raise ConfigError(
-                f"HeadConfig(name={cfg.name!r}): pooling={cfg.pooling!r} needs the backbone's "
-                f"pooler, but {type(self.backbone).__name__} has none; use 'first', 'mean', ..."
-            )
-        return cfg
+        return resolve_config(self.info, self.backbone, cfg)
 
     def _check_targets(self) -> None:
         """Targets must not be input names, and each must have one label layout."""
         # "self": forward's first parameter cannot also be a keyword label
-        reserved = {"self", *MODEL_INPUTS} | (self.info.forward_params - {"kwargs", "args"})
+        # a task model's own "labels" (T5ForConditionalGeneration) may be a head's target
+        reserved = {"self", *MODEL_INPUTS} | (
+            self.info.forward_params - {"kwargs", "args", "labels"}
+        )
         for cfg in self.head_configs.values():
             if cfg.target in reserved:
                 raise ConfigError(
@@ -302,8 +278,19 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         return self
 
     def hooked_layers(self) -> dict[str, int]:
-        """Each head's resolved index into hidden_states (0..num_layers)."""
+        """Each head's resolved index into its stack's hidden_states (0..num_layers; an
+        encoder–decoder model's decoder heads index the decoder's; ``num_layers + 1``: the
+        ``last_hidden_state`` where it is not ``hidden_states[-1]``)."""
+        return {n: layer_index(k) for n, k in self._layer_of_head.items()}
+
+    def state_keys(self) -> dict[str, StateKey]:
+        """Each head's captured state: its index, or ``("decoder", index)`` for heads on an
+        encoder–decoder model's decoder (``model/reading.py``)."""
         return dict(self._layer_of_head)
+
+    def head_masks(self, inputs: Any) -> dict[str, torch.Tensor | None]:
+        """Each head's mask over the positions it reads, from prepared inputs."""
+        return head_masks(self.head_configs, self._layer_of_head, inputs, self.backbone)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -332,8 +319,9 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         models do when it is passed (the backbone config's ``return_dict`` is not read).
         """
         self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
+        extra, labels = split_inputs(self.info, labels)  # pixel_values, input_values, ...
         labels = self._route_labels(labels)
-        given = {"input_ids": input_ids, "attention_mask": attention_mask, **labels}
+        given = {"input_ids": input_ids, "attention_mask": attention_mask, **extra, **labels}
         signature = self._value_checks.due(given) if self.check_inputs else None  # guards.py
         check = signature is not None
         batch = {
@@ -346,14 +334,16 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
             "use_cache": use_cache,
             "output_attentions": output_attentions,
             "output_hidden_states": output_hidden_states,
+            **extra,
         }
         inputs = prepare_inputs(self.backbone, self.info, batch, check)
         full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
         wanted = set(self._layer_of_head.values())
         captured, out = run_stage(self.backbone, self.info, inputs, wanted, not full)
-        features = self.head_inputs(captured, inputs.mask)
+        masks = self.head_masks(inputs)
+        features = self.head_inputs(captured, masks)
         preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
-        losses = self.head_losses(preds, labels, inputs.mask, check)
+        losses = self.head_losses(preds, labels, masks, check)
         self._value_checks.passed(signature)
         loss, adapted = self.combine_losses(losses)
         if self.training and torch.is_grad_enabled() and inside_strict_ddp():
@@ -375,7 +365,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         """Flatten ``labels={target: ...}``, give a ``labels`` tensor to the one head with a
         loss, and refuse keys that are no head's target (``labels.route_labels``)."""
         targets = {c.target for c in self.head_configs.values()}
-        labels = route_labels(self.head_configs, drop_tokenizer_extras(labels, targets))
+        inputs = (*MODEL_INPUTS, *self.info.extra_inputs)
+        labels = route_labels(self.head_configs, drop_tokenizer_extras(labels, targets), inputs)
         given = [k for k, v in labels.items() if v is not None]
         unused = unused_targets(self.head_configs.values(), given)
         if unused and not self.allow_unused_labels:
@@ -388,11 +379,12 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         return labels
 
     def head_inputs(
-        self, captured: dict[int, torch.Tensor], mask: torch.Tensor | None
+        self, captured: dict, mask: torch.Tensor | Mapping[str, Any] | None
     ) -> dict[str, torch.Tensor]:
         """Each head's input from the hooked states (moved to the head's device where it sits
         elsewhere, ``placement.py``); a parameter-free pooling is computed once per (layer,
-        device, pooling) and shared by the heads that ask for it."""
+        positions, device, pooling) and shared by the heads that ask for it. ``mask``: one
+        for all heads, or each head's (``head_masks``)."""
         shared: dict[tuple, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, head in self.heads.items():
@@ -400,11 +392,11 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
             hidden = on_device_of(head, captured[layer])
             key = head.pooling_key if isinstance(head, Head) else None
             if key is None:
-                out[name] = head.features(hidden, mask)
+                out[name] = head.features(hidden, mask_of(mask, name))
                 continue
-            key = (layer, hidden.device, *key)
+            key = (layer, getattr(head.config, "pool_over", "all"), hidden.device, *key)
             if key not in shared:
-                shared[key] = head.features(hidden, mask)
+                shared[key] = head.features(hidden, mask_of(mask, name))
             out[name] = shared[key]
         return out
 
@@ -412,16 +404,17 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self,
         preds: dict[str, torch.Tensor],
         labels: Mapping[str, Any],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Mapping[str, Any] | None,
         check: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Each head's loss, for the heads that have a loss and a label in ``labels``
-        (``check``: validate the labels' values on the host)."""
+        (``check``: validate the labels' values on the host; ``mask``: one for all heads, or
+        each head's)."""
         losses: dict[str, torch.Tensor] = {}
         for name, cfg in self.head_configs.items():
             y = labels.get(cfg.target)
             if y is not None and cfg.loss_fct is not None:
-                losses[name] = head_loss(cfg, preds[name], y, mask, check)
+                losses[name] = head_loss(cfg, preds[name], y, mask_of(mask, name), check)
         return losses
 
     def combine_losses(

@@ -46,8 +46,13 @@ def single_loss_target(head_configs: Mapping[str, Any]) -> str | None:
     return head_configs[heads[0]].target if len(heads) == 1 else None
 
 
-def route_labels(head_configs: Mapping[str, Any], labels: dict[str, Any]) -> dict[str, Any]:
-    """``{target: label}`` from a batch's label keys; a BatchError for keys no head reads."""
+def route_labels(
+    head_configs: Mapping[str, Any],
+    labels: dict[str, Any],
+    inputs: Iterable[str] = MODEL_INPUTS,
+) -> dict[str, Any]:
+    """``{target: label}`` from a batch's label keys; a BatchError for keys no head reads
+    (naming the targets and the model's ``inputs``)."""
     targets = {c.target for c in head_configs.values()}
     labels = dict(labels)
     given = labels.get("labels")
@@ -73,7 +78,7 @@ def route_labels(head_configs: Mapping[str, Any], labels: dict[str, Any]) -> dic
     if unknown:
         raise BatchError(
             f"unexpected batch key(s) {unknown}: not a model input and no head has that "
-            f"target; targets: {sorted(targets)}; inputs: {list(MODEL_INPUTS)}"
+            f"target; targets: {sorted(targets)}; inputs: {list(inputs)}"
         )
     return labels
 
@@ -131,13 +136,17 @@ def without_unused_labels(batch: Mapping[str, Any], configs: Iterable[HeadConfig
 
 
 # ---------------------------------------------------------------------- dataset columns
-def model_columns(head_configs: Mapping[str, Any]) -> set[str]:
-    """Columns a HeadedModel reads: batch inputs, head targets and the label columns
-    Trainer keeps (``labels``, ``label``, ``label_ids``)."""
-    return {*BATCH_INPUTS, *(c.target for c in head_configs.values()), "labels", *RENAMED_TO_LABELS}
+def model_columns(head_configs: Mapping[str, Any], inputs: Iterable[str] = ()) -> set[str]:
+    """Columns a HeadedModel reads: batch inputs (and the backbone's own ``inputs``:
+    ``pixel_values``, ...), head targets and the label columns Trainer keeps (``labels``,
+    ``label``, ``label_ids``)."""
+    targets = (c.target for c in head_configs.values())
+    return {*BATCH_INPUTS, *inputs, *targets, "labels", *RENAMED_TO_LABELS}
 
 
-def keep_model_columns(data: Any, head_configs: Mapping[str, Any], where: str) -> Any:
+def keep_model_columns(
+    data: Any, head_configs: Mapping[str, Any], where: str, inputs: Iterable[str] = ()
+) -> Any:
     """``data`` without the columns the model does not read (as Trainer's
     ``remove_unused_columns``), saying once which were dropped.
 
@@ -145,7 +154,7 @@ def keep_model_columns(data: Any, head_configs: Mapping[str, Any], where: str) -
     wrapped so that each example loses them; a DataLoader is returned as it is (its batches
     are what the caller asked for).
     """
-    keep = model_columns(head_configs)
+    keep = model_columns(head_configs, inputs)
     if isinstance(data, DataLoader):
         return data
     columns = getattr(data, "column_names", None)
@@ -214,7 +223,8 @@ class ForwardWithTargets(functools.partial):
 
     Targets travel through ``**labels``; HF Trainer keeps only the dataset columns named in
     ``inspect.signature(model.forward)`` (``remove_unused_columns``), so they are listed as
-    keyword-only parameters, read from the model's current heads at every inspection.
+    keyword-only parameters, read from the model's current heads at every inspection, with
+    the backbone's own inputs beyond the fixed ones (``pixel_values``, ``input_values``, ...).
     """
 
     @property
@@ -226,8 +236,34 @@ class ForwardWithTargets(functools.partial):
         params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
         taken = {p.name for p in params} | {p.name for p in var_kw}
         targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
-        params += [_keyword(t) for t in targets if t not in taken]
+        own = getattr(getattr(model, "info", None), "extra_inputs", ())
+        params += [_keyword(t) for t in dict.fromkeys([*own, *targets]) if t not in taken]
         return sig.replace(parameters=params + var_kw)
+
+
+class _ForwardWithNames(functools.partial):
+    """A bound ``forward`` whose signature also lists ``names`` as keyword-only parameters."""
+
+    names: tuple[str, ...] = ()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        sig = inspect.signature(self.func)
+        params = list(sig.parameters.values())
+        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        taken = {p.name for p in params} | {p.name for p in var_kw}
+        params += [_keyword(n) for n in self.names if n not in taken]
+        return sig.replace(parameters=params + var_kw)
+
+
+def with_keywords(forward: Any, names: Iterable[str]) -> Any:
+    """``forward`` whose signature names ``names`` too (they still arrive through its
+    ``**kwargs``): transformers' ``generate`` checks its keyword arguments against the
+    signature, and a vision-language model's ``pixel_values`` must pass."""
+    wrapped = _ForwardWithNames(forward)
+    wrapped.names = tuple(names)
+    return wrapped
 
 
 def _keyword(name: str) -> inspect.Parameter:

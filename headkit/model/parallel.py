@@ -128,6 +128,8 @@ def freeze_unreached(model: Any) -> list[str]:
     hooks = set(model.hooked_layers().values())
     if not model.early_exit or not hooks or (info.num_layers in hooks and info.tie_last):
         return []
+    if info.decoder is not None or max(hooks) > info.num_layers:
+        return []  # heads on a decoder run the whole encoder; last_hidden_state: every block
     deepest = max(hooks)
     pools = any("pooler" in c.pooling_strategies for c in model.head_configs.values())
     frozen = []

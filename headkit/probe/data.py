@@ -145,6 +145,17 @@ def prepare_rows(tokenizer, texts, labels, task, max_length) -> ProbeRows:
     return ProbeRows(examples, torch.tensor(example), torch.tensor(position), y, keys, classes)
 
 
+def media_rows(examples: list[dict], keys: list[str], labels, task: str) -> ProbeRows:
+    """Rows of a sweep over images or audio: one per example (``keys`` name each input for
+    the control task); ``task="token"`` has no words to label."""
+    if task == "token":
+        raise ConfigError(
+            "task='token' labels words; images and audio take task='classification' or 'regression'"
+        )
+    y, classes = _label_tensor(list(labels), task == "regression", "labels")
+    return ProbeRows(examples, torch.arange(len(examples)), None, y, keys, classes)
+
+
 def _label_tensor(values: list, regression: bool, what: str) -> tuple[torch.Tensor, list | None]:
     if regression:
         return _regression_targets(values, what), None

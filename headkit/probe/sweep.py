@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from ..backbone.sources import describe, load_model, load_tokenizer, tokenizer_source
 from ..config import HeadConfig
+from ..data.media import encode_media, input_kind, load_processor
 from ..errors import ConfigError
 from ..features import cache_features
 from ..features.shards import balanced_order
@@ -40,6 +41,7 @@ from .data import (
     TASKS,
     ProbeRows,
     control_labels,
+    media_rows,
     parse_layers,
     parse_poolings,
     prepare_rows,
@@ -64,6 +66,7 @@ def probe_layers(
     pooling: str | Sequence[str] | None = None,
     task: str = "classification",
     tokenizer: Any = None,
+    processor: Any = None,
     control: bool = False,
     val_splits: int = 1,
     seed: int = 0,
@@ -80,23 +83,19 @@ def probe_layers(
 ) -> ProbeResults:
     """Train a linear probe on every chosen layer (and pooling) and score it held out.
 
-    ``model``: a path or hub id (``AutoModel``; ``model_kwargs`` go to ``from_pretrained``, e.g.
-    ``{"gguf_file": ...}``), ``packaged:minilm``/``packaged:smollm2``, a ``PreTrainedModel`` or
-    a ``HeadedModel`` (its backbone is used). ``tokenizer`` defaults to the one stored with the
-    model. ``inputs`` are texts (``texts=`` is the same argument by its older name). ``task``:
-    "classification" (``labels`` one class per input), "regression" (one number per input) or
-    "token" (``inputs`` are lists of words or whitespace-separated strings, ``labels`` one class
-    per word; a word's label goes to its first sub-token). ``test_inputs``/``test_labels``:
-    score on this given split (an official test set) instead of holding out ``test_fraction`` of
-    ``inputs``; validation splits are still taken from ``inputs``, and ``n_test`` counts the
-    given split's rows. ``layers`` index ``hidden_states`` as ``output_hidden_states=True`` does
-    (see ``parse_layers``); ``pooling`` (sequence tasks, default "mean") may name several to
-    compare (see ``parse_poolings``). ``val_splits`` is how many validation splits choose the L2
-    penalty (scores are averaged over them); ``seed`` draws every split. See the module
-    docstring for splits and the control task. The backbone is left as it was (requires_grad and
-    train/eval mode). Under torchrun or ``accelerate launch`` the backbone passes are split
-    over the ranks (``cache_features``) and every rank fits the probes on the gathered
-    features: each returns the results one process would.
+    ``model``: a path or hub id (``model_kwargs`` go to ``from_pretrained``),
+    ``packaged:minilm``/``packaged:smollm2``, a ``PreTrainedModel`` or a ``HeadedModel``.
+    ``inputs`` (``texts=``, its older name): texts, images (PIL images, arrays, paths,
+    ``datasets`` Image cells) or audio (1-D arrays at the processor's rate, WAV paths,
+    ``datasets`` Audio cells); ``tokenizer`` / ``processor`` default to the model's own.
+    ``task``: "classification", "regression" or "token" (``inputs`` lists of words, ``labels``
+    one class per word, on its first sub-token). ``test_inputs``/``test_labels``: score on this
+    given split instead of holding out ``test_fraction`` (validation still comes from
+    ``inputs``; ``n_test`` counts the given rows). ``layers`` index ``hidden_states`` as HF
+    does (``parse_layers``); ``pooling`` may name several (``parse_poolings``); ``val_splits``
+    validation splits choose the L2 penalty; ``seed`` draws every split (module docstring).
+    The backbone is left as it was. Under torchrun or ``accelerate launch`` the backbone passes
+    are split over the ranks and every rank returns the results one process would.
     """
     inputs, labels, given = _inputs_and_test_split(inputs, texts, labels, test_inputs, test_labels)
     _check_args(
@@ -110,11 +109,12 @@ def probe_layers(
     rank, world = ranks.current()  # under torchrun: the backbone passes split over the ranks
     progress = progress and rank == 0
     lap = _Laps()
-    backbone, tokenizer = _backbone_and_tokenizer(model, tokenizer, model_kwargs)
+    kind = input_kind(inputs)
+    backbone, tokenizer = _backbone_and_tokenizer(model, tokenizer, model_kwargs, kind, processor)
     num_layers = _num_layers(backbone)
     chosen = parse_layers(layers, num_layers)
     lap("load")
-    rows = prepare_rows(tokenizer, inputs, labels, task, max_length)
+    rows = _rows(tokenizer, inputs, labels, task, max_length, kind)
     lap("tokenize")
     features = _features(backbone, rows, chosen, poolings, batch_size, progress, world)
     lap("features")
@@ -259,9 +259,31 @@ def _check_args(
         raise ConfigError(f"got {len(texts)} inputs but {len(labels)} labels; one label per input")
 
 
-def _backbone_and_tokenizer(model: Any, tokenizer: Any, model_kwargs: Any) -> tuple[Any, Any]:
+def _rows(encoder: Any, inputs: list, labels: list, task: str, max_length: int, kind: str) -> Any:
+    """The sweep's rows: texts tokenized, or images and audio through the processor (each
+    input's path, else its index, names it for the control task)."""
+    if kind == "text":
+        return prepare_rows(encoder, inputs, labels, task, max_length)
+    keys = [str(x) if isinstance(x, (str, os.PathLike)) else f"#{i}" for i, x in enumerate(inputs)]
+    return media_rows(encode_media(encoder, inputs, kind), keys, labels, task)
+
+
+def _backbone_and_tokenizer(
+    model: Any, tokenizer: Any, model_kwargs: Any, kind: str = "text", processor: Any = None
+) -> tuple[Any, Any]:
+    """(the backbone, what encodes the inputs: the tokenizer for texts, the processor for
+    images and audio), each loaded from the model's folder unless given."""
     if isinstance(model, HeadedModel):
         model = model.backbone
+    if kind != "text":
+        source = model if isinstance(model, (str, os.PathLike)) else tokenizer_source(model)
+        backbone = load_model(model, model_kwargs) if source is model else model
+        if processor is None and source is None:
+            raise ConfigError(
+                f"processor=None, and {type(model).__name__} was not loaded from a local "
+                f"folder to read one from; pass processor= for {kind} inputs"
+            )
+        return backbone, processor or load_processor(source, kind)
     if isinstance(model, (str, os.PathLike)):
         backbone = load_model(model, model_kwargs)
         return backbone, tokenizer or load_tokenizer(model, model_kwargs)
@@ -316,7 +338,7 @@ def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress,
         }
     else:
         heads = {("token", k): HeadConfig(f"layer{k}", layer_hook=k, loss_fct=None) for k in layers}
-    lengths = torch.tensor([len(e["input_ids"]) for e in rows.examples])
+    lengths = torch.tensor([_length(e) for e in rows.examples])
     # similar lengths per batch (less padding); each rank's share holds batches of all lengths
     order = balanced_order(lengths, batch_size, world)
     with _left_as_it_was(backbone):
@@ -336,6 +358,14 @@ def _features(backbone, rows: ProbeRows, layers, poolings, batch_size, progress,
         starts[order] = torch.cumsum(lengths[order], 0) - lengths[order]
         rows_index = starts[rows.example] + rows.position  # cache token of each labelled word
     return {key: cached.features(cfg.name)[rows_index].float() for key, cfg in heads.items()}
+
+
+def _length(example: dict) -> int:
+    """Tokens (or audio samples) of an example: batches of similar lengths pad less."""
+    for key in ("input_ids", "input_values"):
+        if key in example:
+            return len(example[key])
+    return 0
 
 
 def _train_probes(
