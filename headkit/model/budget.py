@@ -25,10 +25,11 @@ MAX_RETURN_SEQUENCES = 10_000
 
 
 def check_generation_size(
-    model: Any, prompts: torch.Tensor, cfg: Any, layers: set[int], recorded: int
+    model: Any, shape: tuple[int, int], cfg: Any, layers: set[int], recorded: int
 ) -> None:
     """Refuse a generate call beyond the caps (module docstring) with a ConfigError.
 
+    ``shape``: (batch, prompt positions) of what the decoder starts from (``prompt_shape``);
     ``cfg``: the effective GenerationConfig; ``layers``: the hidden-state indices the call
     reads (the deepest one tells how many blocks run and keep a cache); ``recorded``: how
     many of them are recorded at every position for sequence heads."""
@@ -38,7 +39,7 @@ def check_generation_size(
             f"num_return_sequences={n!r} is invalid; 1 to {MAX_RETURN_SEQUENCES} sequences "
             "per prompt (MAX_RETURN_SEQUENCES)"
         )
-    batch, prompt = prompts.shape[0], prompts.shape[-1]
+    batch, prompt = shape
     new = cfg.max_new_tokens if cfg.max_new_tokens is not None else cfg.max_length - prompt
     rows, positions = batch * n, prompt + max(int(new or 0), 0)
     need = rows * (positions * _bytes_per_position(model, layers, recorded) + _bytes_per_row(model))
@@ -51,6 +52,18 @@ def check_generation_size(
             f"{free / 2**30:.1f} GiB free; lower num_return_sequences, max_new_tokens or the "
             "batch"
         )
+
+
+def prompt_shape(model: Any, input_ids: Any, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """(batch, prompt positions) a generate call starts from: its prompts; on an
+    encoder–decoder model the decoder's start (``decoder_input_ids``, else one token) for a
+    batch of the encoder's input (``input_ids``, ``input_features``, ...)."""
+    if input_ids is not None and not model.info.encoder_decoder:
+        return int(input_ids.shape[0]), int(input_ids.shape[-1])
+    main = input_ids if input_ids is not None else kwargs.get(model.info.main_input)
+    start = kwargs.get("decoder_input_ids")
+    batch = int(main.shape[0]) if isinstance(main, torch.Tensor) else 1
+    return batch, int(start.shape[-1]) if isinstance(start, torch.Tensor) else 1
 
 
 def _bytes_per_position(model: Any, layers: set[int], recorded: int) -> int:

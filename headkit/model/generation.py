@@ -26,7 +26,7 @@ from transformers.utils import ModelOutput
 
 from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
-from .budget import check_generation_size
+from .budget import check_generation_size, prompt_shape
 from .labels import with_keywords
 from .recording import Recorder, stitch, until_eos
 from .seq2seq import Seq2SeqDriver
@@ -145,7 +145,8 @@ class HeadedGenerationMixin:
         effective = _effective_config(self, generation_config, kwargs)
         keys, recorded = plan.head_layers | {plan.lm_layer}, set(plan.sequence_heads.values())
         layers = {k if isinstance(k, int) else k[1] for k in keys}  # (DECODER, index) too
-        check_generation_size(self, input_ids, effective, layers, len(recorded))
+        shape = prompt_shape(self, input_ids, kwargs)
+        check_generation_size(self, shape, effective, layers, len(recorded))
         driver = _driver_class(type(self.backbone), self.info.encoder_decoder)(self, plan)
         was_training = self.training
         self.eval()  # dropout would add noise and draw from the sampling RNG
