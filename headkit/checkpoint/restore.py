@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,8 +47,10 @@ from .transformer_heads import read_transformer_heads
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
 
-#: How many times a load starts when other processes' saves keep replacing what it reads.
-LOAD_ATTEMPTS = 10
+#: How many times (at most), and for how long, a load starts again when other processes'
+#: saves keep replacing what it reads: a load on a busy machine can span several quick saves.
+LOAD_ATTEMPTS = 100
+LOAD_RETRY_S = 60.0
 _T = TypeVar("_T")
 
 
@@ -106,9 +109,13 @@ def _read(root: Path) -> Checkpoint:
 def retrying(root: Path, load: Callable[[], _T]) -> _T:
     """``load()``, started again when it fails while another process's save commits into
     ``root`` (the manifest changed meanwhile: the files it read were replaced), up to
-    LOAD_ATTEMPTS times; a failure with the manifest unchanged is raised as it is."""
+    LOAD_ATTEMPTS times within LOAD_RETRY_S seconds; a failure with the manifest unchanged is
+    raised as it is."""
     last: Exception | None = None
-    for _ in range(LOAD_ATTEMPTS):
+    deadline = time.monotonic() + LOAD_RETRY_S
+    attempts = 0
+    while attempts < LOAD_ATTEMPTS and (attempts == 0 or time.monotonic() < deadline):
+        attempts += 1
         before = _manifest_bytes(root)
         try:
             return load()
@@ -117,7 +124,7 @@ def retrying(root: Path, load: Callable[[], _T]) -> _T:
                 raise
             last = e
     raise CheckpointError(
-        f"{str(root)!r} changed {LOAD_ATTEMPTS} times while it was being loaded (another "
+        f"{str(root)!r} changed {attempts} times while it was being loaded (another "
         f"process keeps saving into it); load it once those saves pause. Last error: {last}"
     )
 
