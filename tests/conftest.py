@@ -107,13 +107,17 @@ MEL_BINS = 8
 MEL_FRAMES = 32
 #: The image token of the tiny Llava (and the image/video/markers of the tiny Qwen2-VL).
 IMAGE_TOKEN = 99
-_VIT = {
+#: The register tokens of the tiny DINOv2 with registers.
+REGISTERS = 2
+#: Image tokens per 32x32 image of the tiny Idefics3 (16 patches merged 2x2).
+IDEFICS3_IMAGE_TOKENS = 4
+_VIT_SIZES = {
     "hidden_size": HIDDEN,
     "num_attention_heads": 4,
-    "intermediate_size": 64,
     "image_size": IMAGE_SIZE,
     "patch_size": PATCH,
 }
+_VIT = {**_VIT_SIZES, "intermediate_size": 64}
 _SPEECH = {
     "hidden_size": HIDDEN,
     "num_attention_heads": 4,
@@ -146,10 +150,60 @@ TINY.update(
         "clip-vision": TinyArch(
             "CLIPVisionConfig", "CLIPVisionModel", _VIT, ("attention_dropout",), shared=False
         ),
+        "dinov2": TinyArch(
+            "Dinov2Config",
+            "Dinov2Model",
+            {**_VIT_SIZES, "mlp_ratio": 2},
+            ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+            shared=False,
+        ),
+        # DINOv2 with register tokens: CLS, then the registers, then the patches
+        "dinov2-registers": TinyArch(
+            "Dinov2WithRegistersConfig",
+            "Dinov2WithRegistersModel",
+            {**_VIT_SIZES, "mlp_ratio": 2, "num_register_tokens": REGISTERS},
+            ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+            shared=False,
+        ),
+        # SigLIP's vision tower: no CLS token; its pooler_output is an attention-pooling head
+        "siglip-vision": TinyArch(
+            "SiglipVisionConfig", "SiglipVisionModel", _VIT, ("attention_dropout",), shared=False
+        ),
+        # Swin: hierarchical, two stages of one block each (``num_layers`` is not used)
+        "swin": TinyArch(
+            "SwinConfig",
+            "SwinModel",
+            {
+                "image_size": IMAGE_SIZE,
+                "patch_size": 4,
+                "embed_dim": HIDDEN // 2,
+                "depths": [1, 1],
+                "num_heads": [2, 2],
+                "window_size": 4,
+            },
+            ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+            layers=(),
+            shared=False,
+        ),
         "wav2vec2": TinyArch(
             "Wav2Vec2Config",
             "Wav2Vec2Model",
             _SPEECH,
+            ("hidden_dropout", "attention_dropout", "activation_dropout", "feat_proj_dropout"),
+            shared=False,
+        ),
+        "hubert": TinyArch(
+            "HubertConfig",
+            "HubertModel",
+            _SPEECH,
+            ("hidden_dropout", "attention_dropout", "activation_dropout", "feat_proj_dropout"),
+            shared=False,
+        ),
+        # WavLM: a relative position bias computed by the first block and passed down
+        "wavlm": TinyArch(
+            "WavLMConfig",
+            "WavLMModel",
+            {**_SPEECH, "num_buckets": 16, "max_bucket_distance": 32},
             ("hidden_dropout", "attention_dropout", "activation_dropout", "feat_proj_dropout"),
             shared=False,
         ),
@@ -189,6 +243,19 @@ TINY.update(
             _SEQ2SEQ_DROPOUTS,
             layers=("encoder_layers", "decoder_layers"),
         ),
+        "mbart": TinyArch(
+            "MBartConfig",
+            "MBartModel",
+            {
+                **_SEQ2SEQ,
+                "pad_token_id": 1,
+                "bos_token_id": 0,
+                "eos_token_id": 2,
+                "decoder_start_token_id": 2,
+            },
+            _SEQ2SEQ_DROPOUTS,
+            layers=("encoder_layers", "decoder_layers"),
+        ),
         "llava": TinyArch(
             "LlavaConfig",
             "LlavaForConditionalGeneration",
@@ -201,6 +268,20 @@ TINY.update(
                 "image_token_id": IMAGE_TOKEN,
                 "vision_feature_layer": -1,
                 "projector_hidden_act": "gelu",
+            },
+            shared=False,
+            text="llama",
+        ),
+        # Idefics3 (SmolVLM): a SigLIP-style vision tower, a pixel shuffle that merges 2x2
+        # patches (16 patches -> IDEFICS3_IMAGE_TOKENS image tokens) and a Llama
+        "idefics3": TinyArch(
+            "Idefics3Config",
+            "Idefics3ForConditionalGeneration",
+            {
+                "vision_config": {**_VIT, "num_hidden_layers": 2},
+                "image_token_id": IMAGE_TOKEN,
+                "scale_factor": 2,
+                "pad_token_id": PAD,
             },
             shared=False,
             text="llama",
@@ -288,7 +369,8 @@ def build_tiny(
     Wav2Vec2Model, WhisperModel, T5ForConditionalGeneration, LlavaForConditionalGeneration,
     ...) or the class for ``task`` (one of ``TASKS``). Hidden 32, vocab 100, 4 attention
     heads, 64 positions; decoders use bos 1 and pad == eos == 2; vision models take 32x32
-    images in 8x8 patches; Llava's image token is ``IMAGE_TOKEN``. ``overrides`` and
+    images in 8x8 patches (Swin: 4x4, in two stages whatever ``num_layers``); Llava's and
+    Idefics3's image token is ``IMAGE_TOKEN``. ``overrides`` and
     ``dropout`` go to ``tiny_config``, ``model_kwargs`` to the model class."""
     config = tiny_config(arch, num_layers, dropout=dropout, **overrides)
     if task is not None and task not in TASKS:

@@ -5,8 +5,9 @@ config's ``num_hidden_layers`` (a vision-language model's: its language model's;
 encoder–decoder model has two, the encoder's and the decoder's); causality is read from the
 attention modules' ``is_causal``. Hooked states follow ``output_hidden_states`` exactly:
 index 0 is the input of the first block (the embeddings), index i the output of block i, and
-the last index what HF returns there: the ``last_hidden_state`` (after the final norm) where
-the stack's forward ties it, the last block's output where it does not (ViT, wav2vec2: see
+the last index what HF returns there: the ``last_hidden_state`` (after the final norm) of
+the module recording the states (the model, or a VLM's language model) where its forward ties
+it, the last block's output where it does not (ViT, DINOv2, wav2vec2: see
 ``modalities.stack_ties_last``); index ``num_layers + 1`` is then the ``last_hidden_state``.
 Decoder states of an encoder–decoder model are captured under ``(DECODER, index)``.
 """
@@ -29,9 +30,11 @@ from .modalities import (
     has_cls_token,
     main_input_of,
     modality_of,
+    pooler_of,
     recorded_block_classes,
     stack_length,
     stack_ties_last,
+    stage_depths,
 )
 from .positions import PositionScheme, position_scheme
 
@@ -66,6 +69,7 @@ class BackboneInfo:
     pooler_size: int | None
     forward_params: set[str] = field(default_factory=set)
     tie_last: bool = True
+    last_from: str = ""  # with tie_last: whose last_hidden_state index L is ("": the runner's)
     vocab_size: int | None = None
     positions: PositionScheme | None = None  # position table and numbering (positions.py)
     modality: str = "text"  # modalities.MODALITIES
@@ -116,6 +120,7 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
     if getattr(config, "is_encoder_decoder", False):
         return _inspect_encoder_decoder(model, layers_path)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    _refuse_hierarchical(model, text_cfg)
     n_layers = getattr(text_cfg, "num_hidden_layers", None)
     language_model = _language_model_path(model)
     path, layers = _find_layers(model, n_layers, layers_path, language_model)
@@ -123,15 +128,14 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
     if hidden is None:
         emb = model.get_input_embeddings()
         hidden = emb.weight.shape[1]
-    pooler = getattr(model, "pooler", None)
+    pooler = pooler_of(model)
     pooler_size = None
-    if isinstance(pooler, nn.Module):
+    if pooler is not None:
         lins = [m for m in pooler.modules() if isinstance(m, nn.Linear)]
         pooler_size = lins[-1].out_features if lins else hidden
-    else:
-        pooler = None
     names = forward_params(model)
     params = set(names)
+    tie_last, last_from = stack_ties_last(model, config, path)
     return BackboneInfo(
         layers=layers,
         layers_path=path,
@@ -141,7 +145,8 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
         pooler=pooler,
         pooler_size=pooler_size,
         forward_params=params,
-        tie_last=stack_ties_last(model, config),
+        tie_last=tie_last,
+        last_from=last_from,
         vocab_size=getattr(text_cfg, "vocab_size", None),
         # a vision-language model's positions are its language model's (not its vision tower's)
         positions=position_scheme(model.get_submodule(language_model or ""), params),
@@ -151,6 +156,22 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
         has_cls=has_cls_token(model),
         own_positions=computes_own_positions(model),
         stack_params=params,
+    )
+
+
+def _refuse_hierarchical(model: PreTrainedModel, config: object) -> None:
+    """Hierarchical vision models (Swin, ...) merge patches between stages: their hidden
+    states differ in length and width, so one head width and one position mask cannot read
+    them. Refused rather than read wrong."""
+    depths = stage_depths(config)
+    if depths is None:
+        return
+    raise ConfigError(
+        f"{type(model).__name__} is a hierarchical model (config.depths={depths}: "
+        f"{len(depths)} stages that merge or pool positions), so its hidden_states change "
+        "length and width from stage to stage, while headkit's heads read states of one "
+        "width (hidden_size) over one set of positions; it is not supported: use a model "
+        "whose blocks keep one shape (ViT, DINOv2, CLIP or SigLIP vision)"
     )
 
 
@@ -165,6 +186,7 @@ def _inspect_encoder_decoder(model: PreTrainedModel, layers_path: str | None) ->
             module, stack_length(config, stack), layers_path if stack == "encoder" else None
         )
         names = forward_params(module)
+        tie_last, last_from = stack_ties_last(module, config, path)
         stacks[stack] = BackboneInfo(
             layers=layers,
             layers_path=f"{prefix}.{path}" if prefix else path,
@@ -175,7 +197,8 @@ def _inspect_encoder_decoder(model: PreTrainedModel, layers_path: str | None) ->
             pooler_size=None,
             forward_params=set(names),
             stack_params=set(names),
-            tie_last=stack_ties_last(module, config),
+            tie_last=tie_last,
+            last_from=last_from,
             vocab_size=getattr(config, "vocab_size", None),
             stack=stack,
         )
@@ -327,9 +350,12 @@ def _run_stack(
         return _run_traced(model, info, wanted, inputs)
     L = info.num_layers
     captured: dict[int, torch.Tensor] = {}
-    from_output = (L in wanted and info.tie_last) or L + 1 in wanted
+    tied = L in wanted and info.tie_last  # index L is a last_hidden_state ...
+    recorded = tied and bool(info.last_from)  # ... of a part of the model (a VLM's LM)
+    from_output = (tied and not recorded) or L + 1 in wanted
     hooked = sorted(i for i in wanted if i <= L and not (i == L and info.tie_last))
-    stop_at = max(hooked) if (early_exit and hooked and not from_output) else None
+    full = from_output or recorded
+    stop_at = max(hooked) if (early_exit and hooked and not full) else None
     handles = []
 
     def make_hook(idx: int):
@@ -344,7 +370,13 @@ def _run_stack(
 
         return hook
 
+    def record_last(_module, _args, out) -> None:
+        captured[L] = _last_hidden_state(out)
+
     try:
+        if recorded:
+            recorder = model.get_submodule(info.last_from)
+            handles.append(recorder.register_forward_hook(record_last))
         for idx in hooked:
             if idx == 0:
                 h = info.layers[0].register_forward_pre_hook(make_hook(0), with_kwargs=True)
@@ -360,7 +392,8 @@ def _run_stack(
             h.remove()
     if from_output:
         last = _last_hidden_state(out)
-        captured.update({i: last for i in wanted if i == L + 1 or (i == L and info.tie_last)})
+        from_last = {L + 1} | ({L} if tied and not recorded else set())
+        captured.update({i: last for i in wanted if i in from_last})
     missing = wanted - set(captured)
     if missing:
         raise RuntimeError(f"layers {sorted(missing)} did not run in {type(model).__name__}")
@@ -376,7 +409,7 @@ def _run_traced(
 ) -> tuple[dict[int, torch.Tensor], object]:
     """``run_backbone`` inside torch.compile: HF's ``hidden_states`` (the same indices)."""
     L = info.num_layers
-    if wanted <= {L + 1} or (wanted <= {L, L + 1} and info.tie_last):
+    if wanted <= {L + 1} or (wanted <= {L, L + 1} and info.tie_last and not info.last_from):
         out = model(**inputs)
         return {i: _last_hidden_state(out) for i in wanted}, out
     asked = inputs.get("output_hidden_states")
@@ -422,7 +455,8 @@ def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
             for k in wanted
             if isinstance(k, int) == (stack.stack != DECODER)
         }
-        if keys <= {stack.num_layers + 1} or (keys <= {stack.num_layers} and stack.tie_last):
+        tied = stack.tie_last and not stack.last_from  # read from the runner's output
+        if keys <= {stack.num_layers + 1} or (keys <= {stack.num_layers} and tied):
             continue
         if registry.get(runner).get("hidden_states"):
             install(runner)

@@ -166,15 +166,29 @@ def decorated_tie_last(module: nn.Module) -> bool | None:
     return None
 
 
-def stack_ties_last(module: nn.Module, config: Any) -> bool:
-    """Whether HF's ``hidden_states[-1]`` of the stack run by ``module`` is its
-    ``last_hidden_state`` (after the final norm): the config's ``tie_last_hidden_states``,
-    else the forward's decorator, else True (hand-written stacks append the final output)."""
+def stack_ties_last(module: nn.Module, config: Any, layers_path: str = "") -> tuple[bool, str]:
+    """(whether HF's ``hidden_states[-1]`` of the stack at ``layers_path`` in ``module`` is a
+    ``last_hidden_state`` rather than the last block's output, the path of the module whose
+    ``last_hidden_state`` it then is: "" for ``module`` itself).
+
+    The hidden states are recorded by the innermost module on the way to the stack whose
+    forward is decorated with ``capture_outputs`` (the model itself, or its encoder as in
+    DINOv2, or a vision-language model's language model); its config's
+    ``tie_last_hidden_states`` or else its decorator decides. DINOv2's encoder records
+    without tying, so its ``hidden_states[-1]`` is not the model's final-normed output. A
+    stack no decorated module runs (hand-written stacks append the final output) ties.
+    """
+    parts = layers_path.split(".")[:-1] if layers_path else []
+    for depth in range(len(parts), -1, -1):  # the innermost first
+        path = ".".join(parts[:depth])
+        recorder = module.get_submodule(path)
+        decorated = decorated_tie_last(recorder)
+        if decorated is not None:
+            own = getattr(recorder, "config", None) if path else config
+            configured = getattr(own, "tie_last_hidden_states", None)
+            return (configured if isinstance(configured, bool) else decorated), path
     configured = getattr(config, "tie_last_hidden_states", None)
-    if isinstance(configured, bool):
-        return configured
-    decorated = decorated_tie_last(module)
-    return True if decorated is None else decorated
+    return (configured if isinstance(configured, bool) else True), ""
 
 
 def has_cls_token(backbone: nn.Module) -> bool:
@@ -184,6 +198,30 @@ def has_cls_token(backbone: nn.Module) -> bool:
         name.rsplit(".", 1)[-1] in ("cls_token", "class_embedding")
         for name, _ in backbone.named_parameters()
     )
+
+
+def pooler_of(model: nn.Module) -> nn.Module | None:
+    """The module that makes a bare model's ``pooler_output`` from its states, if it has one:
+    its ``pooler`` (BERT, ViT: dense + tanh over the first token) or an attention-pooling
+    ``head`` (SigLIP's vision "MAP" head, whose class is named ``...PoolingHead``: a learned
+    query attending to every patch). Other modules named ``head`` are not poolers."""
+    pooler = getattr(model, "pooler", None)
+    if isinstance(pooler, nn.Module):
+        return pooler
+    head = getattr(model, "head", None)
+    if isinstance(head, nn.Module) and type(head).__name__.endswith("PoolingHead"):
+        return head
+    return None
+
+
+def stage_depths(config: Any) -> list[int] | None:
+    """The blocks per stage of a hierarchical model (Swin's ``depths``: every stage merges
+    patches, so its hidden states change length and width from stage to stage), or None
+    for a model whose states all have one shape."""
+    depths = getattr(config, "depths", None)
+    if isinstance(depths, (list, tuple)) and depths and all(isinstance(d, int) for d in depths):
+        return list(depths)
+    return None
 
 
 def default_pooling(modality: str, is_decoder: bool, has_cls: bool) -> str:

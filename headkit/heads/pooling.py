@@ -153,10 +153,14 @@ class FirstToken(PoolingStrategy):
 
 @POOLINGS.register("pooler")
 class BackbonePooler(PoolingStrategy):
-    """The backbone's own pooler (BERT: dense + tanh over [CLS]) applied to the hooked layer.
+    """The backbone's own pooler applied to the hooked layer: BERT's and ViT's dense + tanh
+    over the first token, SigLIP's attention pooling over every patch (its ``pooler_output``).
 
-    The pooler is bound here, where it is used, without becoming a submodule: it belongs to
-    the backbone, so it is neither saved with the head nor moved by it.
+    The pooler gets the whole sequence with each row rotated so that its first real token
+    comes first: one reading position 0 reads the first real token whatever the padding side,
+    and one reading every position sees them as in the model's own forward (images have no
+    padding). The pooler is bound here, where it is used, without becoming a submodule: it
+    belongs to the backbone, so it is neither saved with the head nor moved by it.
     """
 
     needs_pooler = True
@@ -188,9 +192,12 @@ class BackbonePooler(PoolingStrategy):
                 "pooling='pooler' needs a backbone with a pooler module (BERT-style); "
                 "this one has none: use 'first', 'mean', ..."
             )
-        first = _gather(hidden, first_token_index(mask)).unsqueeze(1)  # (batch, 1, hidden)
+        seq = hidden.shape[1]
+        start = first_token_index(mask).unsqueeze(1)  # (batch, 1)
+        index = (torch.arange(seq, device=hidden.device) + start) % seq  # (batch, seq)
+        rotated = hidden.gather(1, index.unsqueeze(-1).expand_as(hidden))
         param = next(pooler.parameters(), None)
-        out = pooler(first if param is None else first.to(param.dtype))
+        out = pooler(rotated if param is None else rotated.to(param.dtype))
         return out[0] if isinstance(out, tuple) else out
 
 
