@@ -34,7 +34,7 @@ from headkit import (
 from headkit.checkpoint import read_checkpoint
 from headkit.checkpoint.lock import LOCK, folder_lock
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 MANIFEST = "head_configs.json"
 HEADS = [

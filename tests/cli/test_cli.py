@@ -112,6 +112,7 @@ def smoke_runs(model_dir, reviews, tmp_path_factory) -> dict[str, tuple]:
     return {"python -m": (runs["python -m"], out), "console script": (runs["console script"], None)}
 
 
+@pytest.mark.slow
 def test_python_m_headkit_runs_a_probe(smoke_runs) -> None:
     result, out = smoke_runs["python -m"]
     assert result.returncode == 0, result.stderr
@@ -119,6 +120,7 @@ def test_python_m_headkit_runs_a_probe(smoke_runs) -> None:
     assert json.loads((out / "probe_results.json").read_text())["n_test"] == 12
 
 
+@pytest.mark.slow
 def test_the_console_script_runs_main(smoke_runs) -> None:
     result, _ = smoke_runs["console script"]
     assert result.returncode == 0, result.stderr

@@ -14,7 +14,7 @@ import headkit
 from headkit import ConfigError, HeadConfig, HeadedModel
 from headkit.integrations.onnx import SIDECAR, export_onnx
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 HEADS = [
     HeadConfig(

@@ -11,7 +11,7 @@ from onnx_checks import check_cut, compare_with_eager, padded
 from headkit import HeadConfig, HeadedModel
 from headkit.integrations.onnx import export_onnx
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 
 def test_llama_heads_on_the_last_layer(tmp_path):

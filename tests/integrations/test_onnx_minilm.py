@@ -15,7 +15,7 @@ from headkit import HeadConfig, HeadedModel
 from headkit.integrations.onnx import export_onnx
 from headkit.packaged import minilm_path
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 TEXTS = [
     "A warm, funny and surprisingly moving film.",

@@ -12,7 +12,7 @@ from th_fixtures import LORA, batch
 
 from headkit import HeadedModel, load_lora_with_heads
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 
 def test_lora_and_generation_reload_in_a_new_process(tmp_path: Path):

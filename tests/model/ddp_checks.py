@@ -1,6 +1,5 @@
 """What the two-rank DDP runs of tests/model/distributed_worker.py must show, checked on the
-reports of a launch (torchrun: tests/model/test_ranks.py, which runs them in its one launch;
-accelerate launch: tests/model/test_distributed.py) against one process."""
+reports of tests/model/test_ranks.py's one launch against one process."""
 
 from __future__ import annotations
 

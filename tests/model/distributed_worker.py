@@ -1,8 +1,7 @@
-"""The checks test_distributed.py runs on two CPU ranks (gloo), in one launch.
+"""The DDP runs test_ranks.py's one launch makes on two CPU ranks (gloo).
 
-``python distributed_worker.py OUT_DIR`` (under ``torchrun`` or ``accelerate launch``, see
-tests/multiproc.py) runs three trainings of a tiny GPT-2 with DDP's
-``find_unused_parameters=False``, one after the other in the same process group:
+tests/model/ranks_worker.py calls ``main`` on each rank: three trainings of a tiny GPT-2
+with DDP's ``find_unused_parameters=False``, one after the other in one process group:
 
 1. "loop" and 2. "trainer": the backbone is trainable and the "cls" head reads a middle
    layer (hidden state 2 of 4), so blocks 2 and 3 and the final norm never run (early exit)

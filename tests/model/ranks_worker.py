@@ -1,6 +1,6 @@
 """The checks test_ranks.py runs on two CPU ranks (gloo), all in one launch.
 
-``python ranks_worker.py OUT_DIR MODEL_DIR`` under ``torchrun`` (tests/multiproc.py); the
+``python ranks_worker.py OUT_DIR MODEL_DIR`` under ``accelerate launch`` (tests/multiproc.py); the
 process group is started by headkit itself (``headkit.model.ranks.current``). MODEL_DIR is
 a tiny random BERT with a tokenizer, saved by the test. Each rank runs, in turn:
 

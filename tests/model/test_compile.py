@@ -13,6 +13,8 @@ from headkit import HeadConfig, HeadedModel
 from headkit.errors import BatchError, NonFiniteLossError
 from headkit.model.guards import ValueChecks
 
+pytestmark = pytest.mark.slow
+
 
 def _heads(layer: int) -> list[HeadConfig]:
     return [

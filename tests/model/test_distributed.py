@@ -1,17 +1,9 @@
-"""DDP on two CPU ranks, and a head on a middle layer with a trainable backbone.
+"""A head on a middle layer with a trainable backbone, in one process.
 
 With early exit the blocks after the deepest hooked layer never run, so they can never get a
-gradient: HeadedModel freezes them (and the final norm) at construction, warning once.
-
-The two-rank checks (tests/model/ddp_checks.py) run on one launch per launcher: here
-``accelerate launch --multi_gpu`` (tests/multiproc.py; without GPUs, CPU ranks over gloo);
-under ``torchrun`` they share the one launch of tests/model/test_ranks.py. Each runs
-tests/model/distributed_worker.py with DDP's
-``find_unused_parameters=False``: a custom accelerate loop and HeadedTrainer with the
-early-exit model, then HeadedTrainer training, evaluating and saving a model whose "aux"
-head never gets labels, which DDP refuses unless HeadedModel puts every head (and learned
-loss weight) in each step's graph. That last run must equal one process on the same
-global batch (run here, while the ranks run).
+gradient: HeadedModel freezes them (and the final norm) at construction, warning once. The
+same models trained with DDP on two CPU ranks are in tests/model/test_ranks.py (its one
+launch runs tests/model/distributed_worker.py, checked by tests/model/ddp_checks.py).
 """
 
 from __future__ import annotations
@@ -22,10 +14,7 @@ from pathlib import Path
 import distributed_worker as worker
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import build_tiny
-from ddp_checks import check_early_exit_training, check_two_ranks_match_one_process
-from multiproc import start_ranks
 
 from headkit import HeadConfig, HeadedModel
 
@@ -80,41 +69,3 @@ def test_a_frozen_backbone_warns_about_nothing(tiny_gpt2):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         HeadedModel(tiny_gpt2, [HeadConfig("probe", layer_hook=1)])
-
-
-# ---------------------------------------------------------------------- two processes
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> tuple[Path, dict]:
-    """The "ddp" training in this process on one thread, batch 8: the reference."""
-    out = tmp_path_factory.mktemp("single")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return out, worker.train_eval_save(out, worker.N_EXAMPLES)
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param("accelerate", marks=pytest.mark.slow)],
-)
-def ranks(request, tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One launch of the worker on two ranks (the reference is computed meanwhile). Under
-    torchrun the same runs happen in tests/model/test_ranks.py's one launch."""
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("needs torch.distributed with the gloo backend")
-    out = tmp_path_factory.mktemp(request.param)
-    launch = start_ranks(WORKER, out, launcher=request.param, nprocs=2)
-    request.getfixturevalue("single")
-    return out, launch.reports()
-
-
-def test_two_ranks_match_one_process_and_only_rank0_saves(ranks, single) -> None:
-    out, reports = ranks
-    check_two_ranks_match_one_process(out, reports, *single)
-
-
-def test_two_ranks_train_an_early_exit_model_in_a_custom_loop_and_headed_trainer(ranks) -> None:
-    out, reports = ranks
-    check_early_exit_training(out, reports)

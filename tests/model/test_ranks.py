@@ -1,7 +1,12 @@
-"""Past one process, on two CPU ranks (gloo) under torchrun, each compared with one process:
+"""Past one process, on two CPU ranks (gloo), each compared with one process:
 feature caching split across the ranks, a probe sweep split across them, a HeadedModel
 sharded with FSDP2 (trained, saved, loaded), and DDP (tests/model/distributed_worker.py's
-runs, checked by tests/model/ddp_checks.py; test_distributed.py runs them under accelerate).
+runs, checked by tests/model/ddp_checks.py).
+
+The ranks are started by ``accelerate launch --multi_gpu`` (on CPU: gloo), which runs
+torchrun's own elastic agent (``torch.distributed.run``) with accelerate's settings on top:
+one launch covers both launchers' environment, and Trainer and a custom accelerate loop
+see accelerate's state as users' scripts do.
 
 Every two-rank scenario runs in ONE launch of tests/model/ranks_worker.py (its docstring
 lists them); the reference is computed in this process, on one thread, while the ranks run.
@@ -27,6 +32,8 @@ from transformers import AutoTokenizer
 
 from headkit import HeadedCollator, HeadedModel, cache_features
 from headkit.packaged import minilm_path
+
+pytestmark = pytest.mark.slow
 
 WORKER = Path(worker.__file__)
 N_DDP = distributed_worker.N_EXAMPLES  # the DDP run's global batch, in one process
@@ -62,7 +69,7 @@ def launch(tmp_path_factory) -> tuple[Path, list[dict], dict]:
     build_tiny("bert", 3, vocab_size=tokenizer.vocab_size).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     out = tmp_path_factory.mktemp("ranks")
-    running = start_ranks(WORKER, out, launcher="torchrun", nprocs=2, args=[str(model_dir)])
+    running = start_ranks(WORKER, out, launcher="accelerate", nprocs=2, args=[str(model_dir)])
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -199,7 +206,7 @@ def test_trainer_fsdp_on_cpu_ranks_runs_ddp_and_says_so(launch):
     assert "headkit.shard(model)" in trainer["warnings"][0]
 
 
-# ---------------------------------------------------------------------- DDP (torchrun)
+# ---------------------------------------------------------------------- DDP
 def test_ddp_on_two_ranks_matches_one_process_and_only_rank0_saves(launch):
     out, reports, single = launch
     check_two_ranks_match_one_process(out, [r["ddp_runs"] for r in reports], *single["ddp"])
