@@ -91,6 +91,26 @@ TINY = {
         {"hidden_dim": 64, "pad_token_id": 0},
         ("dropout", "attention_dropout"),
     ),
+    # Llama's relatives: sliding-window attention (Mistral), q/k/v biases (Qwen2), embeddings
+    # scaled by sqrt(hidden) and (1 + w) norms (Gemma)
+    "mistral": TinyArch(
+        "MistralConfig",
+        "MistralForCausalLM",
+        {"intermediate_size": 64, "num_key_value_heads": 2, "sliding_window": 4, **_DECODER_IDS},
+        ("attention_dropout",),
+    ),
+    "qwen2": TinyArch(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"intermediate_size": 64, "num_key_value_heads": 2, **_DECODER_IDS},
+        ("attention_dropout",),
+    ),
+    "gemma": TinyArch(
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        {"intermediate_size": 64, "num_key_value_heads": 2, "head_dim": 8, **_DECODER_IDS},
+        ("attention_dropout",),
+    ),
     # Bloom (ALiBi) has no position table and its forward takes no position_ids.
     "bloom": TinyArch(
         "BloomConfig",

@@ -1,9 +1,10 @@
-"""More families the README names, each checked the same way: DINOv2 (with and without
-register tokens), SigLIP's vision tower, HuBERT, WavLM, mBART (both stacks) and Idefics3
-(SmolVLM). A pooled head and a token (patch, frame) head equal the same pooling of HF's own
-``output_hidden_states`` at a middle and at the last layer (speech at the model's own frame
-mask), early exit runs only the blocks a head needs and still equals HF there, and a
-checkpoint reloads predicting identically. Hierarchical models (Swin) are refused."""
+"""More families the README names, each checked the same way: Mistral, Qwen2 and Gemma
+(left-padded), DINOv2 (with and without register tokens), SigLIP's vision tower, HuBERT,
+WavLM, mBART (both stacks) and Idefics3 (SmolVLM). A pooled head and a token (patch,
+frame) head equal the same pooling of HF's own ``output_hidden_states`` at a middle and at
+the last layer (speech at the model's own frame mask), early exit runs only the blocks a
+head needs and still equals HF there, and a checkpoint reloads predicting identically.
+Hierarchical models (Swin) are refused."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def _padded_audio() -> dict[str, torch.Tensor]:
             return_tensors="pt",
         )
     )
+
+
+def _left_padded_ids() -> dict[str, torch.Tensor]:
+    """Three prompts of 7, 5 and 2 tokens, left-padded (as decoders are batched to generate)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 100, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :5] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
 def _text_pair() -> dict[str, torch.Tensor]:
@@ -79,6 +90,9 @@ class Family:
 FAMILIES = {
     f.arch: f
     for f in (
+        Family("mistral", _left_padded_ids, "MistralDecoderLayer"),
+        Family("qwen2", _left_padded_ids, "Qwen2DecoderLayer"),
+        Family("gemma", _left_padded_ids, "GemmaDecoderLayer"),
         Family("dinov2", _images, "Dinov2Layer"),
         Family("dinov2-registers", _images, "Dinov2WithRegistersLayer"),
         Family("siglip-vision", _images, "SiglipEncoderLayer"),
