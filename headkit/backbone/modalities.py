@@ -126,6 +126,20 @@ def frame_mask(
     return torch.arange(frames, device=attention_mask.device) < real.unsqueeze(-1)
 
 
+def frame_lengths(
+    backbone: nn.Module, sample_lengths: torch.Tensor, num_samples: int
+) -> tuple[list[int], int] | None:
+    """(each example's frames, the frames of the padded batch) of a speech model whose
+    audio of ``sample_lengths`` real samples is padded to ``num_samples``: the counts its
+    own frame mask and hidden states have (``_get_feat_extract_output_lengths``). None for a
+    model without one."""
+    lengths_of = _method(backbone, "_get_feat_extract_output_lengths")
+    if lengths_of is None:
+        return None
+    real = lengths_of(sample_lengths.long())
+    return [int(n) for n in real], int(lengths_of(torch.tensor(num_samples)))
+
+
 def _method(backbone: nn.Module, name: str) -> Any:
     """``name`` on the backbone, else on its encoder (Whisper keeps it there)."""
     found = getattr(backbone, name, None)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..backbone.inputs import TOKEN_INPUT_PADS as _TOKEN_INPUTS
+from ..backbone.modalities import frame_lengths
 from ..errors import BatchError, ConfigError
 from ..losses.objective import IGNORE_INDEX, TargetRule, target_rules
 from ..model.labels import RENAMED_TO_LABELS, single_loss_target
@@ -43,7 +44,9 @@ class HeadedCollator:
     Images, audio and decoder inputs (the backbone's inputs beyond the token ones:
     ``pixel_values``, ``input_values``, ``input_features``, ``decoder_input_ids``, ...) are
     stacked or padded as ``data/signals.py`` says; an example of an image or audio model needs
-    no ``input_ids``.
+    no ``input_ids``. A frame (token) head of a speech model takes one label per frame of the
+    example's real audio (the model's own count, ``_get_feat_extract_output_lengths``),
+    padded on the right, as the audio is, to the batch's frames.
     """
 
     def __init__(
@@ -128,15 +131,19 @@ class HeadedCollator:
         batch.update(collate_signals(features, self._signals, self.pad_token_id, lengths, pad))
         keys = [k for k in dict.fromkeys(k for f in features for k in f) if k not in _TOKEN_INPUTS]
         keys = [k for k in keys if k not in self._signals]
-        if lengths is None:  # images or audio: labels are per example
-            lengths = [-1] * len(features)
+        side = None  # token labels padded as input_ids are
+        if lengths is None:  # images or audio: per example, or per frame of the audio
             token = [k for k in keys if self._target_of(k, keys) in self._rules]
             token = [k for k in token if self._rules[self._target_of(k, keys)].layout == "token"]
-            if token:
+            frames = self._frames(batch) if token else None
+            if token and frames is None:
                 raise BatchError(
-                    f"HeadedCollator: target {token[0]!r} is read per token, but the examples "
-                    "have no input_ids to align it with"
+                    f"HeadedCollator: target {token[0]!r} is read per position, but these "
+                    "examples have neither input_ids nor audio (input_values) of a speech model "
+                    "to align it with; an image gets one label (pred_for_sequence=True)"
                 )
+            lengths, width = frames or ([-1] * len(features), 0)
+            side = "right"  # audio is padded on the right, and so are its frames
 
         labels: dict[str, torch.Tensor] = {}
         for key in keys:
@@ -144,7 +151,7 @@ class HeadedCollator:
             values = [f.get(key) for f in features]
             if all(v is None for v in values):
                 continue
-            labels[target] = self._collate_labels(target, values, lengths, width)
+            labels[target] = self._collate_labels(target, values, lengths, width, side)
         single = self._single_target
         if single in labels and self.labels_key == "labels":
             batch["labels"] = labels.pop(single)  # one trained head: a plain tensor
@@ -226,21 +233,33 @@ class HeadedCollator:
         v = self.label_pad_value
         return v.get(target, IGNORE_INDEX) if isinstance(v, Mapping) else v
 
-    def _pad(self, rows: list[torch.Tensor], value: float, width: int) -> torch.Tensor:
-        """Stack rows of shape (len_i, *rest) into (batch, width, *rest), padding on one side."""
+    def _frames(self, batch: Mapping[str, Any]) -> tuple[list[int], int] | None:
+        """(each example's frames, the batch's frames) for audio of a speech model: a frame
+        (token) head's labels have one entry per frame of the example's real audio."""
+        if self.model is None or "input_values" not in batch:
+            return None
+        backbone = getattr(self.model, "backbone", self.model)
+        samples = batch["input_values"].shape[1]
+        return frame_lengths(backbone, batch["attention_mask"].sum(-1), samples)
+
+    def _pad(
+        self, rows: list[torch.Tensor], value: float, width: int, side: str | None = None
+    ) -> torch.Tensor:
+        """Stack rows of shape (len_i, *rest) into (batch, width, *rest), padding on one side
+        (``side``, else the collator's ``padding_side``)."""
         rest = tuple(rows[0].shape[1:])
         dtype = _common_dtype(rows)
         out = torch.full((len(rows), width, *rest), value, dtype=dtype)
         for i, r in enumerate(rows):
             n = r.shape[0]
-            if self.padding_side == "right":
+            if (side or self.padding_side) == "right":
                 out[i, :n] = r
             elif n:
                 out[i, width - n :] = r
         return out
 
     def _collate_labels(
-        self, target: str, values: list[Any], lengths: list[int], width: int
+        self, target: str, values: list[Any], lengths: list[int], width: int, side: str | None
     ) -> torch.Tensor:
         pad = self._pad_value(target)
         missing = [i for i, v in enumerate(values) if v is None]
@@ -255,9 +274,11 @@ class HeadedCollator:
                 t = _label_tensor(v, target, i)
                 if t.dim() == 0 or t.shape[0] != n:
                     got = "a scalar" if t.dim() == 0 else f"{t.shape[0]} entries"
+                    has = f"its audio has {n} frames" if side else f"its input_ids have {n} tokens"
+                    per = "frame of real audio" if side else "token"
                     raise BatchError(
                         f"HeadedCollator: token-level target {target!r} of feature {i} has "
-                        f"{got}, but its input_ids have {n} tokens; expected one label per token"
+                        f"{got}, but {has}; expected one label per {per}"
                     )
                 rows.append(t)
             known = [r for r in rows if r is not None]
@@ -267,7 +288,7 @@ class HeadedCollator:
                 r if r is not None else torch.full((n, *rest), pad, dtype=dtype)
                 for r, n in zip(rows, lengths)
             ]
-            return self._pad([r.to(dtype) for r in filled], pad, width)
+            return self._pad([r.to(dtype) for r in filled], pad, width, side)
         tensors = [None if v is None else _label_tensor(v, target, i) for i, v in enumerate(values)]
         known = [t for t in tensors if t is not None]
         shape = tuple(known[0].shape)

@@ -165,6 +165,32 @@ def test_audio_examples_are_padded_by_the_collator() -> None:
         torch.testing.assert_close(out.logits[i], alone.logits[0], atol=1e-4, rtol=1e-4)
 
 
+def test_frame_labels_are_collated_per_frame_of_real_audio() -> None:
+    """A frame (token) head's labels: one per frame of the clip's real audio (the model's own
+    count), padded on the right with -100 to the batch's frames whatever ``padding_side``;
+    the batch trains as each clip alone (its loss the frame-weighted mean of theirs)."""
+    model = HeadedModel(build_tiny("wav2vec2", 2), [HeadConfig("vad", num_outputs=2)])
+    clips, _ = planted_audio(3)
+    clips = [clips[0], clips[1][:700], clips[2][:450]]
+    frames = model.backbone._get_feat_extract_output_lengths(
+        torch.tensor([len(c) for c in clips])
+    ).tolist()
+    g = torch.Generator().manual_seed(0)
+    labels = [torch.randint(0, 2, (n,), generator=g).tolist() for n in frames]
+    examples = [{"input_values": c, "vad": y} for c, y in zip(clips, labels)]
+    batch = HeadedCollator(model, padding_side="left")(examples)
+    width = model(**batch).logits.shape[1]
+    assert batch["labels"].shape == (3, width) and width == max(frames)
+    for row, (n, y) in enumerate(zip(frames, labels)):
+        assert batch["labels"][row, :n].tolist() == y
+        assert (batch["labels"][row, n:] == -100).all()
+    alone = [model(**HeadedCollator(model)([ex])).loss for ex in examples]
+    expected = sum(loss * n for loss, n in zip(alone, frames)) / sum(frames)
+    torch.testing.assert_close(model(**batch).loss, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(BatchError, match=rf"has 5 entries, but its audio has {frames[1]} frames"):
+        HeadedCollator(model)([examples[0], {**examples[1], "vad": [1] * 5}])
+
+
 def test_audio_is_checked_before_the_model_runs() -> None:
     model = HeadedModel(build_tiny("wav2vec2", 2), [HeadConfig("h", pred_for_sequence=True)])
     audio = torch.randn(2, 400)
