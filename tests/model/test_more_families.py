@@ -2,9 +2,9 @@
 (left-padded), DINOv2 (with and without register tokens), SigLIP's vision tower, HuBERT,
 WavLM, mBART (both stacks) and Idefics3 (SmolVLM). A pooled head and a token (patch,
 frame) head equal the same pooling of HF's own ``output_hidden_states`` at a middle and at
-the last layer (speech at the model's own frame mask), early exit runs only the blocks a
-head needs and still equals HF there, and a checkpoint reloads predicting identically.
-Hierarchical models (Swin) are refused."""
+the last layer (speech at the model's own frame mask; T5 and BART also left-padded), early
+exit runs only the blocks a head needs and still equals HF there, and a checkpoint reloads
+predicting identically. Hierarchical models (Swin) are refused."""
 
 from __future__ import annotations
 
@@ -50,6 +50,14 @@ def _left_padded_ids() -> dict[str, torch.Tensor]:
     mask[1, :2] = 0
     mask[2, :5] = 0
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def _left_padded_pair() -> dict[str, torch.Tensor]:
+    """Encoder and decoder token ids, each left-padded in its second row."""
+    batch = _text_pair()
+    batch["attention_mask"] = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    batch["decoder_attention_mask"] = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    return batch
 
 
 def _text_pair() -> dict[str, torch.Tensor]:
@@ -151,8 +159,18 @@ def _count_blocks(backbone, cls_name: str) -> tuple[list[int], list]:
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_heads_equal_the_same_pooling_of_hf_hidden_states(arch: str) -> None:
-    family = FAMILIES[arch]
-    model = HeadedModel(build_tiny(arch, LAYERS), _heads(family))
+    _check_heads_equal_hf(FAMILIES[arch])
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_left_padded_encoder_and_decoder_inputs_equal_hf_states(arch: str) -> None:
+    """Both stacks left-padded (as batches for generation often are)."""
+    _check_heads_equal_hf(Family(arch, _left_padded_pair, "", ("encoder", "decoder")))
+
+
+def _check_heads_equal_hf(family: Family) -> None:
+    """Every head of ``_heads`` equals the same pooling of HF's own hidden states."""
+    model = HeadedModel(build_tiny(family.arch, LAYERS), _heads(family))
     batch = family.batch()
     out = model(**batch)
     states, masks = {}, {}
