@@ -340,7 +340,7 @@ class _HeadedDriver:
         past_key_values: Any = None,  # the cache's name before transformers 5.24.0
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        headed, plan = self._headed, self.plan
+        headed = self._headed
         cache = cache if cache is not None else past_key_values
         past = int(cache.get_seq_length()) if cache is not None else 0
         flags = {k: kwargs.get(k) for k in ("output_attentions", "output_hidden_states")}
@@ -359,6 +359,30 @@ class _HeadedDriver:
             given = {k: v for k, v in kwargs.items() if k in own and v is not None}
             batch.update({k: v for k, v in given.items() if not isinstance(v, dict) or v})
         inputs = prepare_inputs(headed.backbone, headed.info, batch, check=False)
+        logits, cache, out = self.run_step(
+            inputs, flags, past, input_ids, position_ids, cache, logits_to_keep
+        )
+        return CausalLMOutputWithPast(
+            logits=logits,
+            cache=cache,
+            hidden_states=getattr(out, "hidden_states", None),
+            attentions=getattr(out, "attentions", None),
+        )
+
+    def run_step(
+        self,
+        inputs: Any,
+        flags: dict[str, Any],
+        past: int,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: Any,
+        logits_to_keep: int | torch.Tensor,
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """(logits, cache, the backbone's output) of one step: the backbone run on the
+        prepared ``inputs`` as deep as the heads (and, before the final step, the LM head)
+        need, then ``step``."""
+        headed, plan = self._headed, self.plan
         layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
         # Stop after the deepest needed block: a step needs the cache object it was given
         # (filled in place), and the final step needs no cache at all.
@@ -367,12 +391,7 @@ class _HeadedDriver:
         logits, cache = self.step(
             past, input_ids, position_ids, captured, out, cache, logits_to_keep
         )
-        return CausalLMOutputWithPast(
-            logits=logits,
-            cache=cache,
-            hidden_states=getattr(out, "hidden_states", None),
-            attentions=getattr(out, "attentions", None),
-        )
+        return logits, cache, out
 
     def step(
         self,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import Seq2SeqLMOutput
 
-from ..backbone.inputs import BackboneInputs, prepare_decoder_inputs, run_stage
+from ..backbone.inputs import BackboneInputs, prepare_decoder_inputs
 
 
 class Seq2SeqDriver:
@@ -50,7 +50,7 @@ class Seq2SeqDriver:
         past_key_values: Any = None,  # the cache's name before transformers 5.24.0
         **kwargs: Any,
     ) -> Seq2SeqLMOutput:
-        headed, plan = self._headed, self.plan
+        headed = self._headed
         cache = cache if cache is not None else past_key_values
         past = int(cache.get_seq_length()) if cache is not None else 0
         if past == 0:
@@ -71,11 +71,8 @@ class Seq2SeqDriver:
         inputs = BackboneInputs(
             encoder_inputs, None, tuple(decoder_input_ids.shape), decoder_kwargs=dec_kwargs
         )
-        layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
-        early = cache is not None and not any(flags.values())
-        captured, out = run_stage(headed.backbone, headed.info, inputs, layers, early)
-        logits, cache = self.step(
-            past, decoder_input_ids, None, captured, out, cache, logits_to_keep
+        logits, cache, out = self.run_step(
+            inputs, flags, past, decoder_input_ids, None, cache, logits_to_keep
         )
         return Seq2SeqLMOutput(
             logits=logits,
