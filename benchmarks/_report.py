@@ -81,6 +81,17 @@ def write_result(result: dict[str, Any], out: Path | None) -> None:
     os.replace(tmp, out)
 
 
+def publish(result: dict[str, Any], out: Path | None, markdown: str | None = None) -> dict:
+    """Write ``result`` to ``out`` (and ``markdown``, a report, beside it as .md), print its
+    figures on one line, and return it: the end of every ``bench_*.py``'s ``main``."""
+    write_result(result, out)
+    if markdown is not None and out is not None:
+        Path(out).with_suffix(".md").write_text(markdown)
+    figures = "; ".join(f"{f['name']} = {f['value']}" for f in result["figures"])
+    print(f"{result['name']}: {figures}")
+    return result
+
+
 def check_result(result: Any, name: str | None = None) -> list[str]:
     """What in ``result`` breaks the contract (empty: it follows it)."""
     if not isinstance(result, dict):

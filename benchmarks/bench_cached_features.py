@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from _harness import Goal, LoadMeter, add_measure_args, ensure_bench_env, settings_of
-from _report import bench_result, figure, write_result
+from _report import bench_result, figure, publish
 from transformers import AutoModel, AutoTokenizer
 
 from headkit import HeadConfig, HeadedModel, cache_features, train_heads_on_features
@@ -213,10 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         "lr": args.lr,
     }
     result = bench_result(NAME, figures, setting, details, threads=st.threads)
-    write_result(result, args.out)
-    args.out.with_suffix(".md").write_text(report(result))
-    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
-    return result
+    return publish(result, args.out, report(result))
 
 
 def report(r: dict) -> str:

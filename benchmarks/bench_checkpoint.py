@@ -45,7 +45,7 @@ from _harness import (
     ensure_bench_env,
     settings_of,
 )
-from _report import bench_result, figure, write_result
+from _report import bench_result, figure, publish
 
 HERE = Path(__file__).resolve().parent
 NAME = "checkpoint"
@@ -242,9 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     details = {"now": now, **({"before": before} if before else {})}
     result = bench_result(NAME, _figures(now, before), setting, details, threads=st.threads)
-    write_result(result, args.out)
-    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in result["figures"]))
-    return result
+    return publish(result, args.out)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from _harness import (
     settings_of,
     wait_for_quiet,
 )
-from _report import bench_result, figure, write_result
+from _report import bench_result, figure, publish
 
 from headkit import HeadConfig, HeadedModel, cache_features
 
@@ -278,9 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ranks": "forked, gloo over a FileStore",
     }
     result = bench_result(NAME, figures, setting, details, threads=1)
-    write_result(result, args.out)
-    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
-    return result
+    return publish(result, args.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from _harness import Goal, add_measure_args, ensure_bench_env, settings_of
-from _report import bench_result, figure, write_result
+from _report import bench_result, figure, publish
 
 HERE = Path(__file__).resolve().parent
 NAME = "export"
@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         "models": {n: _DESCRIPTIONS[n](st.quick) for n in details},
     }
     result = bench_result(NAME, figures, settings, details, threads=st.threads)
-    write_result(result, args.out)
-    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
-    return result
+    return publish(result, args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from _harness import Goal, add_measure_args, ensure_bench_env, settings_of
-from _report import bench_result, figure, write_result
+from _report import bench_result, figure, publish
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from headkit import HeadConfig, HeadedModel
@@ -132,9 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         "generate": {**settings, "prompts": "left-padded"},
     }
     result = bench_result(NAME, figures, setting, details, threads=st.threads)
-    write_result(result, args.out)
-    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
-    return result
+    return publish(result, args.out)
 
 
 if __name__ == "__main__":

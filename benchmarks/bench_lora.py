@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from _harness import Goal, add_measure_args, ensure_bench_env, settings_of
-from _report import bench_result, figure, write_result
+from _report import bench_result, figure, publish
 from peft import LoraConfig, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
@@ -184,9 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu_steps": cpu_steps,
     }
     result = bench_result(NAME, figures, setting, details, threads=st.threads)
-    write_result(result, args.out)
-    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
-    return result
+    return publish(result, args.out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from _harness import Goal, add_measure_args, ensure_bench_env, settings_of
-from _report import bench_result, figure, write_result
+from _report import bench_result, figure, publish
 from PIL import Image
 from transformers import ViTConfig, ViTImageProcessorPil, ViTModel, Wav2Vec2Config, Wav2Vec2Model
 
@@ -214,9 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     setting = {**st.as_dict(), "model": asdict(shape), "repeats": repeats}
     result = bench_result(NAME, figures, setting, details, threads=st.threads)
-    write_result(result, args.out)
-    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in figures))
-    return result
+    return publish(result, args.out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from _harness import Goal, add_measure_args, ensure_bench_env, settings_of
-from _report import bench_result, figure, write_result
+from _report import bench_result, figure, publish
 from transformers import AutoModel, AutoTokenizer
 
 from headkit import probe_layers
@@ -199,10 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         "matched_recipe": matched_accuracy(recipe["states"], labels, result.test_index, fit_index),
     }
     out = _result(args, st, texts, tok, t, full_t, recipe_t, result, held["full"], accuracy)
-    write_result(out, args.out)
-    args.out.with_suffix(".md").write_text(_markdown(out))
-    print(f"{NAME}: " + "; ".join(f"{f['name']} = {f['value']}" for f in out["figures"]))
-    return out
+    return publish(out, args.out, _markdown(out))
 
 
 def _result(args, st, texts, tok, t, full_t, recipe_t, result, full, acc) -> dict:
