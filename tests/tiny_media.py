@@ -32,6 +32,8 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 
+from headkit import HeadConfig, HeadedModel
+
 RATE = 16_000
 
 
@@ -150,3 +152,42 @@ def assert_heads_match_hf(model, out, states, masks, atol: float = 1e-5) -> None
         if got.dim() == 3 and mask is not None:
             got, expected = got[mask.bool()], expected[mask.bool()]
         torch.testing.assert_close(got, expected, atol=atol, rtol=1e-5, msg=name)
+
+
+def heads_at_every_layer(
+    layers: int,
+    poolings: tuple[str, ...],
+    token: str,
+    num_outputs: int = 3,
+    stack: str | None = None,
+) -> list[HeadConfig]:
+    """For each hidden state 0..``layers``: a sequence head per pooling (``{pooling}{k}``) and a
+    token head (``{token}{k}``), none with a loss; with ``stack``, on that stack and named
+    ``{stack}_...``."""
+    prefix, on = (f"{stack}_", {"stack": stack}) if stack else ("", {})
+    common = {"num_outputs": num_outputs, "loss_fct": None, **on}
+    heads = []
+    for k in range(layers + 1):
+        for pooling in poolings:
+            heads.append(
+                HeadConfig(
+                    f"{prefix}{pooling}{k}",
+                    layer_hook=k,
+                    pred_for_sequence=True,
+                    pooling=pooling,
+                    **common,
+                )
+            )
+        heads.append(HeadConfig(f"{prefix}{token}{k}", layer_hook=k, **common))
+    return heads
+
+
+def assert_compiles_like_eager(model: HeadedModel, batch: dict) -> None:
+    """``model`` compiles as one graph (``fullgraph=True``) whose predictions on ``batch``
+    equal eager's: heads below the last layer read ``hidden_states`` through the capture
+    hooks HeadedModel installed beforehand (hooks cannot be added inside a graph)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    got, want = compiled(**batch), model(**batch)
+    for name in want.preds_by_head:
+        torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])

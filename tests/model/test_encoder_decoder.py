@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import MEL_BINS, MEL_FRAMES, build_tiny
-from tiny_media import assert_heads_match_hf
+from tiny_media import assert_compiles_like_eager, assert_heads_match_hf, heads_at_every_layer
 from transformers import GenerationMixin
 
 from headkit import BatchError, ConfigError, HeadConfig, HeadedModel, cache_features, load_headed
@@ -39,24 +39,7 @@ def _batch(arch: str) -> dict[str, torch.Tensor]:
 
 
 def _heads(stack: str) -> list[HeadConfig]:
-    heads = []
-    for k in range(LAYERS + 1):
-        for pooling in ("mean", "first", "last"):
-            heads.append(
-                HeadConfig(
-                    f"{stack}_{pooling}{k}",
-                    layer_hook=k,
-                    pred_for_sequence=True,
-                    pooling=pooling,
-                    num_outputs=3,
-                    stack=stack,
-                    loss_fct=None,
-                )
-            )
-        heads.append(
-            HeadConfig(f"{stack}_tok{k}", layer_hook=k, num_outputs=3, stack=stack, loss_fct=None)
-        )
-    return heads
+    return heads_at_every_layer(LAYERS, ("mean", "first", "last"), "tok", stack=stack)
 
 
 class _Count:
@@ -230,14 +213,9 @@ def test_an_encoder_decoder_checkpoint_reloads_exactly(tmp_path) -> None:
 
 
 def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
-    torch._dynamo.reset()
     heads = [h for h in _heads("encoder") + _heads("decoder") if h.layer_hook == 1]
     model = HeadedModel(build_tiny("t5", LAYERS), heads, check_inputs=False)
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
-    batch = _batch("t5")
-    got, want = compiled(**batch), model(**batch)
-    for name in want.preds_by_head:
-        torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
+    assert_compiles_like_eager(model, _batch("t5"))
 
 
 def test_cached_features_of_both_stacks_equal_forward() -> None:

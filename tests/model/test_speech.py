@@ -9,7 +9,9 @@ import pytest
 import torch
 from conftest import MEL_BINS, MEL_FRAMES, build_tiny
 from tiny_media import (
+    assert_compiles_like_eager,
     assert_heads_match_hf,
+    heads_at_every_layer,
     planted_audio,
     speech_feature_extractor,
     whisper_feature_extractor,
@@ -31,21 +33,7 @@ def _padded_audio() -> dict[str, torch.Tensor]:
 
 
 def _heads(num_outputs: int = 3) -> list[HeadConfig]:
-    heads = []
-    for k in range(LAYERS + 1):
-        for pooling in ("mean", "max", "last", "first"):
-            heads.append(
-                HeadConfig(
-                    f"{pooling}{k}",
-                    layer_hook=k,
-                    pred_for_sequence=True,
-                    pooling=pooling,
-                    num_outputs=num_outputs,
-                    loss_fct=None,
-                )
-            )
-        heads.append(HeadConfig(f"frame{k}", layer_hook=k, num_outputs=num_outputs, loss_fct=None))
-    return heads
+    return heads_at_every_layer(LAYERS, ("mean", "max", "last", "first"), "frame", num_outputs)
 
 
 def _count(model, cls_name: str):
@@ -210,14 +198,9 @@ def test_audio_is_checked_before_the_model_runs() -> None:
 
 
 def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
-    torch._dynamo.reset()
     heads = [h for h in _heads() if h.layer_hook == 1]
     model = HeadedModel(build_tiny("wav2vec2", LAYERS), heads, check_inputs=False)
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
-    batch = _padded_audio()
-    got, want = compiled(**batch), model(**batch)
-    for name in want.preds_by_head:
-        torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
+    assert_compiles_like_eager(model, dict(_padded_audio()))
 
 
 def test_audio_examples_must_be_one_sequence_each() -> None:

@@ -9,7 +9,13 @@ import json
 import pytest
 import torch
 from conftest import IMAGE_SIZE, build_tiny
-from tiny_media import assert_heads_match_hf, image_processor, planted_images
+from tiny_media import (
+    assert_compiles_like_eager,
+    assert_heads_match_hf,
+    heads_at_every_layer,
+    image_processor,
+    planted_images,
+)
 from transformers import TrainingArguments
 
 from headkit import (
@@ -32,21 +38,7 @@ def _images(n: int = 3, seed: int = 0) -> torch.Tensor:
 
 
 def _every_layer(num_outputs: int = 5) -> list[HeadConfig]:
-    heads = []
-    for k in range(LAYERS + 1):
-        for pooling in ("first", "mean", "max"):
-            heads.append(
-                HeadConfig(
-                    f"{pooling}{k}",
-                    layer_hook=k,
-                    pred_for_sequence=True,
-                    pooling=pooling,
-                    num_outputs=num_outputs,
-                    loss_fct=None,
-                )
-            )
-        heads.append(HeadConfig(f"patch{k}", layer_hook=k, num_outputs=num_outputs, loss_fct=None))
-    return heads
+    return heads_at_every_layer(LAYERS, ("first", "mean", "max"), "patch", num_outputs)
 
 
 def _count_blocks(model, cls_name: str) -> tuple[list[int], list]:
@@ -212,13 +204,8 @@ def test_trainer_learns_a_head_from_processed_images(tmp_path) -> None:
 def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
     """Under torch.compile a head below the last layer reads ``hidden_states`` through the
     capture hooks HeadedModel installed beforehand (hooks cannot be added inside a graph)."""
-    torch._dynamo.reset()
     model = HeadedModel(build_tiny("vit", LAYERS), _every_layer()[4:8], check_inputs=False)
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
-    pixels = _images(2)
-    got, want = compiled(pixel_values=pixels), model(pixel_values=pixels)
-    for name in want.preds_by_head:
-        torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
+    assert_compiles_like_eager(model, {"pixel_values": _images(2)})
 
 
 def test_last_hidden_state_reads_the_output_so_it_takes_no_other_layer() -> None:

@@ -10,7 +10,13 @@ import pytest
 import torch
 from conftest import IMAGE_SIZE, IMAGE_TOKEN, build_tiny
 from peft import LoraConfig
-from tiny_media import assert_heads_match_hf, llava_processor, planted_images
+from tiny_media import (
+    assert_compiles_like_eager,
+    assert_heads_match_hf,
+    heads_at_every_layer,
+    llava_processor,
+    planted_images,
+)
 
 from headkit import (
     BatchError,
@@ -53,21 +59,7 @@ def _qwen_batch() -> dict[str, torch.Tensor]:
 
 
 def _heads() -> list[HeadConfig]:
-    heads = []
-    for k in range(LAYERS + 1):
-        for pooling in ("last", "mean"):
-            heads.append(
-                HeadConfig(
-                    f"{pooling}{k}",
-                    layer_hook=k,
-                    pred_for_sequence=True,
-                    pooling=pooling,
-                    num_outputs=3,
-                    loss_fct=None,
-                )
-            )
-        heads.append(HeadConfig(f"tok{k}", layer_hook=k, num_outputs=3, loss_fct=None))
-    return heads
+    return heads_at_every_layer(LAYERS, ("last", "mean"), "tok")
 
 
 @pytest.mark.parametrize(("arch", "batch"), [("llava", _llava_batch), ("qwen2-vl", _qwen_batch)])
@@ -218,14 +210,9 @@ def test_lora_and_a_value_head_on_a_vlm_reload_exactly(tmp_path) -> None:
 
 
 def test_compiles_as_one_graph_reading_transformers_capture_hooks() -> None:
-    torch._dynamo.reset()
     heads = [h for h in _heads() if h.layer_hook == 1]
     model = HeadedModel(build_tiny("llava", LAYERS), heads, check_inputs=False)
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
-    inputs = _llava_batch()
-    got, want = compiled(**inputs), model(**inputs)
-    for name in want.preds_by_head:
-        torch.testing.assert_close(got.preds_by_head[name], want.preds_by_head[name])
+    assert_compiles_like_eager(model, _llava_batch())
 
 
 def test_generate_refuses_a_model_that_numbers_positions_from_its_images() -> None:
