@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import IDS, MASK, same
 from conftest import build_tiny
 from multiproc import fork
 from safetensors.torch import load_file, save_file
@@ -55,9 +56,6 @@ COMMITTED = [False, False, False, False, True]
 #: Where the last save is stopped and then really killed: new heads file in place, new
 #: backbone written to its temporary folder, manifest not yet replaced.
 KILL_AT = ("backbone-", "before")
-
-IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
-MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
 
 
 def freeze() -> None:
@@ -121,10 +119,6 @@ def predict(folder: Path, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, to
     model = HeadedModel.from_pretrained(folder).eval()
     with torch.no_grad():
         return model(ids, attention_mask=mask).preds_by_head
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoint_helpers import predict
 from conftest import build_tiny
 
 from headkit import HeadConfig, HeadedModel, HeadkitError
@@ -31,8 +32,6 @@ from headkit import HeadConfig, HeadedModel, HeadkitError
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 MANIFEST = "head_configs.json"
-IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
-MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
 JUNK: list[Any] = [
     None,
     True,
@@ -55,11 +54,6 @@ JUNK: list[Any] = [
     2**63,
 ]
 HUGE = [10**9, 10**12, 10**18, 2**63, 10**100, -(10**18)]
-
-
-def predict(model: HeadedModel) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        return model.eval()(IDS, attention_mask=MASK).preds_by_head
 
 
 @pytest.fixture(scope="module")

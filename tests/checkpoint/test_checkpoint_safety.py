@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import HEADS, IDS, MANIFEST, MASK, predict, same
 from conftest import build_tiny
 from multiproc import fork
 from safetensors.torch import save_file
@@ -35,23 +36,6 @@ from headkit.checkpoint import read_checkpoint
 from headkit.checkpoint.lock import LOCK, folder_lock
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
-
-MANIFEST = "head_configs.json"
-HEADS = [
-    HeadConfig("cls", num_outputs=3, pred_for_sequence=True, pooling="mean"),
-    HeadConfig("tok", num_outputs=4, layer_hook=1),
-]
-IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
-MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-
-
-def predict(model: HeadedModel) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        return model.eval()(IDS, attention_mask=MASK).preds_by_head
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def set_heads(model: HeadedModel, value: float) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
+from checkpoint_helpers import assert_same, predict
 from conftest import build_tiny
 from transformers import AutoModel
 
@@ -29,20 +30,6 @@ HEADS = [
     HeadConfig("cls", num_outputs=3, pred_for_sequence=True, pooling="mean+max"),
     HeadConfig("tok", num_outputs=4, layer_hook=1, num_layers=2, hidden_size=8),
 ]
-IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
-MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-
-
-def predict(model: HeadedModel) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        return model.eval()(IDS, attention_mask=MASK).preds_by_head
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype, k
-        assert torch.equal(a[k], b[k]), k
 
 
 def perturb(model: HeadedModel, seed: int = 0) -> None:
@@ -83,7 +70,7 @@ def test_heads_come_back_in_the_dtype_they_were_saved_in(tmp_path, gpt2_dir, dty
         else HeadedModel.from_pretrained(tmp_path / "ckpt"),
     ):
         assert {p.dtype for p in loaded.heads.parameters()} == {dtype}
-        assert_same(predict(loaded), expected)  # exact, not within ~1e-3
+        assert_same(predict(loaded), expected, dtypes=True)  # exact, not within ~1e-3
 
 
 @pytest.mark.parametrize("spelling", ["dtype", "torch_dtype"])
@@ -96,7 +83,7 @@ def test_dtype_and_torch_dtype_are_recorded_and_reloaded(tmp_path, gpt2_dir, spe
     assert backbone_entry(tmp_path / "ckpt")["dtype"] == "bfloat16"  # it was null for dtype=
     loaded = HeadedModel.from_pretrained(tmp_path / "ckpt")
     assert loaded.backbone.dtype == torch.bfloat16
-    assert_same(predict(loaded), expected)
+    assert_same(predict(loaded), expected, dtypes=True)
 
 
 def test_auto_dtype_is_recorded_as_the_dtype_it_resolved_to(tmp_path):
@@ -107,7 +94,7 @@ def test_auto_dtype_is_recorded_as_the_dtype_it_resolved_to(tmp_path):
     expected = predict(model)
     model.save_pretrained(tmp_path / "ckpt")  # the real dtype, never "auto"
     assert backbone_entry(tmp_path / "ckpt")["dtype"] == "bfloat16"
-    assert_same(predict(HeadedModel.from_pretrained(tmp_path / "ckpt")), expected)
+    assert_same(predict(HeadedModel.from_pretrained(tmp_path / "ckpt")), expected, dtypes=True)
 
 
 def test_dtype_and_torch_dtype_that_disagree_are_refused(gpt2_dir):
@@ -181,7 +168,7 @@ def test_a_backbone_changed_through_data_is_saved_not_referenced(tmp_path, gpt2_
     expected = predict(model)
     model.save_pretrained(tmp_path / "ckpt")
     assert backbone_entry(tmp_path / "ckpt")["kind"] == "saved"
-    assert_same(predict(HeadedModel.from_pretrained(tmp_path / "ckpt")), expected)
+    assert_same(predict(HeadedModel.from_pretrained(tmp_path / "ckpt")), expected, dtypes=True)
 
 
 def test_a_referenced_backbone_replaced_on_disk_is_noticed(tmp_path, gpt2_dir):
@@ -215,7 +202,7 @@ def test_a_checkpoint_and_the_backbone_beside_it_move_together(tmp_path):
     moved = tmp_path / "elsewhere" / "moved-project"
     moved.parent.mkdir()
     shutil.move(project, moved)  # another machine, another folder
-    assert_same(predict(HeadedModel.from_pretrained(moved / "probe")), expected)
+    assert_same(predict(HeadedModel.from_pretrained(moved / "probe")), expected, dtypes=True)
 
 
 def test_a_backbone_far_from_the_checkpoint_is_recorded_absolute(tmp_path):
@@ -249,7 +236,7 @@ def test_load_headed_recognises_a_checkpoint_folder(tmp_path, gpt2_dir):
     model.save_pretrained(tmp_path / "ckpt")
     loaded = load_headed(tmp_path / "ckpt")  # no head configs: read from the checkpoint
     assert sorted(loaded.head_configs) == ["cls", "tok"]
-    assert_same(predict(loaded), expected)
+    assert_same(predict(loaded), expected, dtypes=True)
 
 
 def put_in_hub_cache(cache: Path, repo_id: str, folder: Path, commit: str) -> None:
@@ -298,7 +285,7 @@ def test_a_hub_backbone_records_the_commit_it_resolved_to(tmp_path, hub_cache):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded = HeadedModel.from_pretrained(tmp_path / "ckpt")
-    assert_same(predict(loaded), expected)
+    assert_same(predict(loaded), expected, dtypes=True)
 
 
 def test_from_pretrained_accepts_a_hub_repo_id(tmp_path, hub_cache):
@@ -309,7 +296,7 @@ def test_from_pretrained_accepts_a_hub_repo_id(tmp_path, hub_cache):
     (tmp_path / "ckpt" / "README.md").write_text("not needed to load")
     put_in_hub_cache(hub_cache, "org/tiny-probe", tmp_path / "ckpt", "3" * 40)
     loaded = HeadedModel.from_pretrained("org/tiny-probe")  # files are symlinks into blobs/
-    assert_same(predict(loaded), expected)
+    assert_same(predict(loaded), expected, dtypes=True)
     with pytest.raises(ValueError, match=r"'org/missing'.*cannot be resolved"):
         HeadedModel.from_pretrained("org/missing")
 
@@ -323,7 +310,7 @@ def test_save_pretrained_accepts_safe_serialization_and_shards_the_backbone(tmp_
     entry = backbone_entry(tmp_path / "ckpt")
     shards = sorted((tmp_path / "ckpt" / entry["path"]).glob("*.safetensors"))
     assert len(shards) > 1 and sorted(entry["files_sha256"]) == [s.name for s in shards]
-    assert_same(predict(HeadedModel.from_pretrained(tmp_path / "ckpt")), expected)
+    assert_same(predict(HeadedModel.from_pretrained(tmp_path / "ckpt")), expected, dtypes=True)
 
 
 @pytest.mark.parametrize(

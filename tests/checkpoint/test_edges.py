@@ -15,34 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import HEADS, MANIFEST, assert_same, predict
 from conftest import build_tiny
 from multiproc import fork
 from safetensors.torch import load_file, save_file
 
-from headkit import CheckpointError, HeadConfig, HeadedModel, load_headed
+from headkit import CheckpointError, HeadedModel, load_headed
 from headkit.checkpoint.lock import LOCK
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-MANIFEST = "head_configs.json"
 MARKER = ".headkit-token"
-HEADS = [
-    HeadConfig("cls", num_outputs=3, pred_for_sequence=True, pooling="mean"),
-    HeadConfig("tok", num_outputs=4, layer_hook=1),
-]
-IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
-MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-
-
-def predict(model: HeadedModel) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        return model.eval()(IDS, attention_mask=MASK).preds_by_head
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def set_heads(model: HeadedModel, value: float) -> None:
