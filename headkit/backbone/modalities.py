@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..config import STACKS
+from ..heads.pooling import pools_every_position
 
 #: Main inputs that are signals rather than token ids, and the modality each drives.
 SIGNAL_INPUTS = {"pixel_values": "vision", "input_values": "speech", "input_features": "speech"}
@@ -223,7 +224,7 @@ def pooler_of(model: nn.Module) -> nn.Module | None:
     if isinstance(pooler, nn.Module):
         return pooler
     head = getattr(model, "head", None)
-    if isinstance(head, nn.Module) and type(head).__name__.endswith("PoolingHead"):
+    if isinstance(head, nn.Module) and pools_every_position(head):
         return head
     return None
 

@@ -151,16 +151,23 @@ class FirstToken(PoolingStrategy):
         return _gather(hidden, first_token_index(mask))
 
 
+def pools_every_position(pooler: nn.Module) -> bool:
+    """Whether a backbone's pooler reads every position (SigLIP's attention-pooling "MAP"
+    head, a class named ``...PoolingHead``: a learned query attending to every patch) rather
+    than the first token only (BERT's and ViT's dense + tanh)."""
+    return type(pooler).__name__.endswith("PoolingHead")
+
+
 @POOLINGS.register("pooler")
 class BackbonePooler(PoolingStrategy):
     """The backbone's own pooler applied to the hooked layer: BERT's and ViT's dense + tanh
     over the first token, SigLIP's attention pooling over every patch (its ``pooler_output``).
 
-    The pooler gets the whole sequence with each row rotated so that its first real token
-    comes first: one reading position 0 reads the first real token whatever the padding side,
-    and one reading every position sees them as in the model's own forward (images have no
-    padding). The pooler is bound here, where it is used, without becoming a submodule: it
-    belongs to the backbone, so it is neither saved with the head nor moved by it.
+    A first-token pooler gets the first real token of each row, whatever the padding side; one
+    that reads every position (``pools_every_position``) gets the whole sequence with each row
+    rotated so that its first real token comes first, as in the model's own forward (images
+    have no padding). The pooler is bound here, where it is used, without becoming a
+    submodule: it belongs to the backbone, so it is neither saved with the head nor moved by it.
     """
 
     needs_pooler = True
@@ -171,6 +178,7 @@ class BackbonePooler(PoolingStrategy):
         super().__init__(hidden_size)
         self._bound = (pooler,)  # a tuple: nn.Module does not register it as a submodule
         self.pooler_size = pooler_size
+        self.every_position = pooler is not None and pools_every_position(pooler)
 
     @property
     def pooler(self) -> nn.Module | None:
@@ -192,12 +200,15 @@ class BackbonePooler(PoolingStrategy):
                 "pooling='pooler' needs a backbone with a pooler module (BERT-style); "
                 "this one has none: use 'first', 'mean', ..."
             )
-        seq = hidden.shape[1]
-        start = first_token_index(mask).unsqueeze(1)  # (batch, 1)
-        index = (torch.arange(seq, device=hidden.device) + start) % seq  # (batch, seq)
-        rotated = hidden.gather(1, index.unsqueeze(-1).expand_as(hidden))
+        if self.every_position:
+            seq = hidden.shape[1]
+            start = first_token_index(mask).unsqueeze(1)  # (batch, 1)
+            index = (torch.arange(seq, device=hidden.device) + start) % seq  # (batch, seq)
+            states = hidden.gather(1, index.unsqueeze(-1).expand_as(hidden))
+        else:
+            states = _gather(hidden, first_token_index(mask)).unsqueeze(1)  # (batch, 1, hidden)
         param = next(pooler.parameters(), None)
-        out = pooler(rotated if param is None else rotated.to(param.dtype))
+        out = pooler(states if param is None else states.to(param.dtype))
         return out[0] if isinstance(out, tuple) else out
 
 

@@ -1,12 +1,11 @@
 """Generation that also returns every head's output, in one pass with the KV cache.
 
-``HeadedModel.generate`` drives transformers' own ``GenerationMixin.generate`` (its logits
-processors, stopping criteria, ``GenerationConfig``, streamers, ``num_return_sequences``) through
-a thin driver: a ``PreTrainedModel`` of the backbone's family whose ``forward`` runs the backbone
-once per step with the KV cache, captures the hooked layers of that same forward, computes the
-next-token logits with the model's causal-LM head and every other head on those states, and
-records the heads' outputs. No second forward runs for the heads, and no copy of the decoding
-loop is kept here. See ``docs/generation.md`` for the conventions.
+``HeadedModel.generate`` drives transformers' own ``GenerationMixin.generate`` (processors,
+stopping criteria, ``GenerationConfig``, streamers, ``num_return_sequences``) through a thin
+driver whose ``forward`` runs the backbone once per step with the KV cache, computes the
+next-token logits with the causal-LM head and every other head on the same hooked states, and
+records the heads' outputs: no second forward, no copy of the decoding loop
+(``docs/generation.md``).
 """
 
 from __future__ import annotations
@@ -359,7 +358,7 @@ class _HeadedDriver:
             given = {k: v for k, v in kwargs.items() if k in own and v is not None}
             batch.update({k: v for k, v in given.items() if not isinstance(v, dict) or v})
         inputs = prepare_inputs(headed.backbone, headed.info, batch, check=False)
-        logits, cache, out = self.run_step(
+        logits, cache, out = self.step(
             inputs, flags, past, input_ids, position_ids, cache, logits_to_keep
         )
         return CausalLMOutputWithPast(
@@ -369,7 +368,7 @@ class _HeadedDriver:
             attentions=getattr(out, "attentions", None),
         )
 
-    def run_step(
+    def step(
         self,
         inputs: Any,
         flags: dict[str, Any],
@@ -378,34 +377,15 @@ class _HeadedDriver:
         position_ids: torch.Tensor | None,
         cache: Any,
         logits_to_keep: int | torch.Tensor,
-    ) -> tuple[torch.Tensor, Any, Any]:
-        """(logits, cache, the backbone's output) of one step: the backbone run on the
-        prepared ``inputs`` as deep as the heads (and, before the final step, the LM head)
-        need, then ``step``."""
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """(next-token logits from the causal-LM head, the cache, the backbone's output) of
+        one step: the backbone run on ``inputs`` as deep as the heads (and before the final
+        step the LM head) need, every other head's output recorded. Early exit: a step fills
+        the cache it was given in place; the final step needs none."""
         headed, plan = self._headed, self.plan
         layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
-        # Stop after the deepest needed block: a step needs the cache object it was given
-        # (filled in place), and the final step needs no cache at all.
         early = cache is not None and not any(flags.values())
         captured, out = run_stage(headed.backbone, headed.info, inputs, layers, early)
-        logits, cache = self.step(
-            past, input_ids, position_ids, captured, out, cache, logits_to_keep
-        )
-        return logits, cache, out
-
-    def step(
-        self,
-        past: int,
-        input_ids: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        captured: dict,
-        out: Any,
-        cache: Any,
-        logits_to_keep: int | torch.Tensor,
-    ) -> tuple[torch.Tensor | None, Any]:
-        """(next-token logits from the causal-LM head, the cache) of one forward's captured
-        states; every other head's output recorded."""
-        headed, plan = self._headed, self.plan
         if self.batch_size is None and input_ids is not None:
             self.batch_size = int(input_ids.shape[0])
         logits = None
@@ -414,7 +394,7 @@ class _HeadedDriver:
             lm = headed.heads[plan.lm]
             logits = lm.from_features(lm.features(hidden))  # (batch, kept, vocab)
         self.recorder.record(past, input_ids, position_ids, captured, logits, headed, plan)
-        return logits, cache_of(out) if out is not None else cache
+        return logits, cache_of(out) if out is not None else cache, out
 
     def final_inputs(
         self, last: torch.Tensor, seen: torch.Tensor, cache: Any, position_ids: Any

@@ -71,7 +71,7 @@ class Seq2SeqDriver:
         inputs = BackboneInputs(
             encoder_inputs, None, tuple(decoder_input_ids.shape), decoder_kwargs=dec_kwargs
         )
-        logits, cache, out = self.run_step(
+        logits, cache, out = self.step(
             inputs, flags, past, decoder_input_ids, None, cache, logits_to_keep
         )
         return Seq2SeqLMOutput(
