@@ -57,12 +57,8 @@ def read_rows(
     suffix = path.suffix.lower()
     if path.is_dir():
         rows = _datasets_dir(path, limit)
-    elif suffix in (".csv", ".tsv"):
-        rows = _csv(path, "\t" if suffix == ".tsv" else ",", limit, text_encoding(path, encoding))
-    elif suffix in (".jsonl", ".ndjson"):
-        rows = _jsonl(path, limit, text_encoding(path, encoding))
-    elif suffix == ".json":
-        rows = _json(path, limit, text_encoding(path, encoding))
+    elif suffix in (".csv", ".tsv", ".jsonl", ".ndjson", ".json"):
+        rows = _text_rows(path, suffix, limit, encoding)
     elif suffix in (".parquet", ".pq"):
         rows = _parquet(path, limit)
     else:
@@ -72,9 +68,29 @@ def read_rows(
     return rows
 
 
-def text_encoding(path: Path, encoding: str | None = None) -> str:
-    """The codec ``path`` decodes with: ``encoding`` if given, else its byte-order mark's,
-    else UTF-8. The whole file is checked, so a bad byte is reported with its offset."""
+def _text_rows(
+    path: Path, suffix: str, limit: int | None, encoding: str | None
+) -> list[dict[str, Any]]:
+    """Rows of a CSV, TSV, JSON Lines or JSON file. A bad byte is reported with its offset:
+    found while reading (one pass), or before it when only ``limit`` rows are read (the
+    whole file must still decode)."""
+    codec, how = text_encoding(path, encoding)
+    if limit is not None:
+        _check_decodes(path, codec, how)
+    try:
+        if suffix in (".csv", ".tsv"):
+            return _csv(path, "\t" if suffix == ".tsv" else ",", limit, codec)
+        if suffix == ".json":
+            return _json(path, limit, codec)
+        return _jsonl(path, limit, codec)
+    except UnicodeDecodeError:
+        _check_decodes(path, codec, how)  # raises, naming the first bad byte
+        raise
+
+
+def text_encoding(path: Path, encoding: str | None = None) -> tuple[str, str]:
+    """(the codec ``path`` decodes with, how it was chosen): ``encoding`` if given, else its
+    byte-order mark's, else UTF-8."""
     with open(path, "rb") as f:
         head = f.read(4)
     if encoding is not None:
@@ -91,8 +107,7 @@ def text_encoding(path: Path, encoding: str | None = None) -> str:
     else:
         codec = _bom_codec(head)
         how = "read as UTF-8: no byte-order mark" if codec == "utf-8" else f"read as {codec}"
-    _check_decodes(path, codec, how)
-    return codec
+    return codec, how
 
 
 def _bom_codec(head: bytes) -> str:
