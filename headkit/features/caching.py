@@ -211,7 +211,9 @@ def _cache_batch(
     masks = model.head_masks(inputs)  # per head: its stack's positions, pool_over
     wanted = {info["layer"] for info in heads.values()}
     captured, _ = run_stage(model.backbone, model.info, inputs, wanted, model.early_exit)
-    ref = next(v for k, v in captured.items() if isinstance(k, int))  # (batch, seq, hidden)
+    # (batch, seq, hidden): an encoder state where one was read (only decoder heads: a decoder's)
+    ref = next((v for k, v in captured.items() if isinstance(k, int)), None)
+    ref = next(iter(captured.values())) if ref is None else ref
     real = mask.bool() if mask is not None else torch.ones(ref.shape[:2], dtype=torch.bool)
     real = real.to(ref.device)
     causal = any(c.is_causal_lm for c in model.head_configs.values())

@@ -243,6 +243,12 @@ def test_cached_features_of_both_stacks_equal_forward() -> None:
         torch.testing.assert_close(
             model.heads[name].from_features(features), out.preds_by_head[name]
         )
+    decoder_only = HeadedModel(model.backbone, heads[1:])  # no encoder state is read
+    only = cache_features(decoder_only, examples, batch_size=2, progress=False)
+    torch.testing.assert_close(
+        decoder_only.heads["dec"].from_features(torch.as_tensor(only.features("dec"))),
+        decoder_only(**batch).preds_by_head["dec"],
+    )
     tagger = HeadedModel(
         build_tiny("bart", LAYERS), [HeadConfig("tags", stack="decoder", num_outputs=2)]
     )
