@@ -103,7 +103,9 @@ def pool_over_mask(
     ``which="all"`` returns it unchanged. (batch, seq) bool."""
     if which == "all":
         return mask
-    is_image = torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
+    is_image = torch.zeros_like(input_ids, dtype=torch.bool)
+    for token in ids:  # comparisons with Python ints: no tensor of ids copied to the device
+        is_image |= input_ids == token
     keep = is_image if which == "image" else ~is_image
     return keep if mask is None else keep & mask.bool()
 

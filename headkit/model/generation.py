@@ -322,7 +322,6 @@ class _HeadedDriver:
         self.generation_config = copy.deepcopy(default_generation_config(headed))
         self.recorder = Recorder()
         self.final_step = False
-        self.batch_size: int | None = None  # rows of the first forward (prompts)
         self.forward = with_keywords(self.forward, headed.info.extra_inputs)  # pixel_values...
         self.prompt_length: int | None = None  # an encoder–decoder model's decoder start
 
@@ -386,8 +385,6 @@ class _HeadedDriver:
         layers = plan.head_layers if self.final_step else plan.head_layers | {plan.lm_layer}
         early = cache is not None and not any(flags.values())
         captured, out = run_stage(headed.backbone, headed.info, inputs, layers, early)
-        if self.batch_size is None and input_ids is not None:
-            self.batch_size = int(input_ids.shape[0])
         logits = None
         if not self.final_step:
             hidden = slice_logits_to_keep(captured[plan.lm_layer], logits_to_keep)

@@ -105,6 +105,7 @@ def head_masks(
 ) -> dict[str, torch.Tensor | None]:
     """Each head's mask over the positions of the state it reads (None: all count)."""
     out: dict[str, torch.Tensor | None] = {}
+    restricted: dict[tuple, torch.Tensor | None] = {}  # (stack, pool_over) → mask, built once
     for name, cfg in configs.items():
         mask = inputs.mask if isinstance(keys[name], int) else inputs.decoder_mask
         if cfg.pool_over != "all":
@@ -114,8 +115,11 @@ def head_masks(
                     f"{cfg.pool_over!r}), which are read from input_ids; pass input_ids, "
                     "not inputs_embeds"
                 )
-            ids = image_token_ids(backbone.config)
-            mask = pool_over_mask(mask, inputs.input_ids, ids, cfg.pool_over)
+            key = (isinstance(keys[name], int), cfg.pool_over)
+            if key not in restricted:
+                ids = image_token_ids(backbone.config)
+                restricted[key] = pool_over_mask(mask, inputs.input_ids, ids, cfg.pool_over)
+            mask = restricted[key]
         out[name] = mask
     return out
 
