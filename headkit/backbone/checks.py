@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from ..errors import BatchError
 from .inspection import BackboneInfo
+from .modalities import num_frames
 
 
 def _int_ids(name: str, value: Any, shape: tuple[int, ...] | None) -> None:
@@ -155,8 +156,8 @@ def check_signal(
         )
     if name == "input_values":
         _check_mask(attention_mask, tuple(value.shape), 0, "attention_mask")
-        lengths_of = getattr(backbone, "_get_feat_extract_output_lengths", None)
-        if lengths_of is not None and int(lengths_of(torch.tensor(value.shape[1]))) < 1:
+        frames = num_frames(backbone, value.shape[1])
+        if frames is not None and frames < 1:
             raise BatchError(
                 f"input_values of {value.shape[1]} samples are too short for {model}'s "
                 "feature encoder (it yields no frame); pass longer audio"

@@ -118,10 +118,10 @@ def frame_mask(
     by ``_get_feat_extract_output_lengths`` of the real samples). None stays None."""
     if attention_mask is None:
         return None
-    lengths_of = _method(backbone, "_get_feat_extract_output_lengths")
-    if lengths_of is None:
+    frames = num_frames(backbone, num_samples)
+    if frames is None:
         return attention_mask
-    frames = int(lengths_of(torch.tensor(num_samples)))
+    lengths_of = _method(backbone, "_get_feat_extract_output_lengths")
     reduce = _method(backbone, "_get_feature_vector_attention_mask")
     if reduce is not None:
         return reduce(frames, attention_mask)
@@ -136,11 +136,18 @@ def frame_lengths(
     audio of ``sample_lengths`` real samples is padded to ``num_samples``: the counts its
     own frame mask and hidden states have (``_get_feat_extract_output_lengths``). None for a
     model without one."""
-    lengths_of = _method(backbone, "_get_feat_extract_output_lengths")
-    if lengths_of is None:
+    frames = num_frames(backbone, num_samples)
+    if frames is None:
         return None
-    real = lengths_of(sample_lengths.long())
-    return [int(n) for n in real], int(lengths_of(torch.tensor(num_samples)))
+    real = _method(backbone, "_get_feat_extract_output_lengths")(sample_lengths.long())
+    return [int(n) for n in real], frames
+
+
+def num_frames(backbone: nn.Module, num_samples: int) -> int | None:
+    """The frames a speech model makes of ``num_samples`` samples of audio (its
+    ``_get_feat_extract_output_lengths``; None for a model without one)."""
+    lengths_of = _method(backbone, "_get_feat_extract_output_lengths")
+    return None if lengths_of is None else int(lengths_of(torch.tensor(num_samples)))
 
 
 def _method(backbone: nn.Module, name: str) -> Any:
