@@ -181,7 +181,7 @@ def _inspect_encoder_decoder(model: PreTrainedModel, layers_path: str | None) ->
     config = model.config
     stacks = {}
     for stack, module in (("encoder", model.get_encoder()), (DECODER, model.get_decoder())):
-        prefix = _path_of(model, module)
+        prefix = path_of(model, module)
         path, layers = _find_layers(
             module, stack_length(config, stack), layers_path if stack == "encoder" else None
         )
@@ -216,7 +216,7 @@ def _inspect_encoder_decoder(model: PreTrainedModel, layers_path: str | None) ->
     )
 
 
-def _path_of(root: nn.Module, module: nn.Module) -> str:
+def path_of(root: nn.Module, module: nn.Module) -> str:
     """The name of ``module`` inside ``root`` ("" for root itself)."""
     return next((n for n, m in root.named_modules() if m is module), "")
 

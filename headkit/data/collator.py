@@ -121,11 +121,10 @@ class HeadedCollator:
                     f"HeadedCollator: feature {i} is a {type(f).__name__}; expected a dict"
                 )
         signals = any(f.get(k) is not None for f in features for k in self._signals)
-        for i, f in enumerate(features):
-            if "input_ids" not in f and not signals:  # images or audio: checked with them
-                raise BatchError(
-                    f"HeadedCollator: feature {i} has no 'input_ids' (keys: {sorted(f)})"
-                )
+        if not signals and not any("input_ids" in f for f in features):  # else: _token_inputs
+            raise BatchError(
+                f"HeadedCollator: feature 0 has no 'input_ids' (keys: {sorted(features[0])})"
+            )
         batch, lengths, width = self._token_inputs(features)
         pad = functools.partial(self._pad, width=width)  # rows, value → padded like input_ids
         batch.update(collate_signals(features, self._signals, self.pad_token_id, lengths, pad))

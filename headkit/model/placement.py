@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backbone.inspection import BackboneInfo
+from ..backbone.inspection import BackboneInfo, path_of
 
 _OFFLOADED = ("cpu", "disk")
 
@@ -97,7 +97,7 @@ def head_devices(
     device_map = getattr(model, "hf_device_map", None)
     if not isinstance(device_map, Mapping) or not device_map:
         return dict.fromkeys(layer_of_head, default)
-    prefix = next((n for n, m in model.named_modules() if m is backbone), "")
+    prefix = path_of(model, backbone)
     out = {}
     for head, key in layer_of_head.items():
         # a decoder state is (DECODER, index); past the last block (last_hidden_state), the
