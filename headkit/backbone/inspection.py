@@ -98,6 +98,14 @@ class BackboneInfo:
         """Whether the backbone has an encoder and a decoder stack."""
         return self.decoder is not None
 
+    @property
+    def not_text(self) -> str | None:
+        """What the backbone is when it is no text encoder or decoder ("an encoder–decoder",
+        "a vision", "a speech", ...; None for text): exports refuse those, naming it."""
+        if self.encoder_decoder:
+            return "an encoder–decoder"
+        return None if self.modality == "text" else f"a {self.modality}"
+
     def stack_info(self, stack: str) -> BackboneInfo:
         """The info of ``stack`` ("decoder": the decoder's; anything else, or a model with
         one stack: this one)."""

@@ -52,7 +52,7 @@ def convert(
 ) -> Path:
     """Write the headkit checkpoint of the transformer-heads folder ``checkpoint`` to
     ``output`` (atomically: a sibling folder renamed into place); returns ``output``."""
-    from ..checkpoint import MANIFEST
+    from ..checkpoint.paths import is_checkpoint
     from ..checkpoint.transformer_heads import detect
     from ..loading import load_headed
     from ..model.headed import HeadedModel
@@ -70,7 +70,7 @@ def convert(
         out,
         local_inputs(src, base),
         overwrite,
-        ours=lambda folder: (folder / MANIFEST).is_file(),
+        ours=is_checkpoint,
         what="a headkit checkpoint",
         option="OUT",
     )

@@ -104,15 +104,14 @@ def check_output_folder(
     )
 
 
-def write_file(path: str | os.PathLike, write: Callable[[IO], None], text: bool = True) -> Path:
-    """Write ``path`` atomically: ``write(f)`` fills a fresh file created exclusively beside it,
-    which is then renamed over ``path`` (a symlink at ``path`` is replaced, not followed)."""
+def write_file(path: str | os.PathLike, write: Callable[[IO], None]) -> Path:
+    """Write ``path`` atomically: ``write(f)`` fills a fresh UTF-8 text file created
+    exclusively beside it, which is then renamed over ``path`` (a symlink at ``path`` is
+    replaced, not followed)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with fresh_file(out) as tmp:
-        mode = "w" if text else "wb"
-        options = {"newline": "", "encoding": "utf-8"} if text else {}
-        with open(tmp, mode, **options) as f:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

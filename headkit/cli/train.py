@@ -128,7 +128,7 @@ def load_train_config(
 def check_output(config: dict[str, Any], overwrite: bool) -> Path:
     """Refuse the output folder before any work: an input, a file, a folder holding files
     that are not a headkit checkpoint (named), or a checkpoint without ``overwrite``."""
-    from ..checkpoint import MANIFEST
+    from ..checkpoint.paths import is_checkpoint
     from .outputs import check_output_folder, local_inputs
 
     data = config["data"]
@@ -137,7 +137,7 @@ def check_output(config: dict[str, Any], overwrite: bool) -> Path:
         config["output"],
         inputs,
         overwrite,
-        ours=lambda folder: (folder / MANIFEST).is_file(),
+        ours=is_checkpoint,
         what="a headkit checkpoint",
     )
 

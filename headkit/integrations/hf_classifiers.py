@@ -162,9 +162,8 @@ def _plan(model: HeadedModel, name: str, tokenizer: Any, pad_token_id: int | Non
         problems.append(
             f"it reads layer_hook={cfg.layer_hook}; the classifiers read the last layer (-1)"
         )
-    if info.modality != "text" or info.encoder_decoder:
-        kind = "an encoder–decoder" if info.encoder_decoder else f"a {info.modality}"
-        problems.append(f"the backbone is {kind} model; the classifiers read text models")
+    if info.not_text:
+        problems.append(f"the backbone is {info.not_text} model; the classifiers read text models")
     if has_adapters(backbone):
         problems.append("the backbone carries LoRA adapters: call model.merge_and_unload() first")
     if getattr(backbone.config, "quantization_config", None) is not None:

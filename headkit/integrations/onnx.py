@@ -200,11 +200,10 @@ def export_onnx(
 
 def _check_exportable(model: HeadedModel) -> None:
     info = model.info
-    if info.modality != "text" or info.encoder_decoder:
-        kind = "an encoder–decoder" if info.encoder_decoder else f"a {info.modality}"
+    if info.not_text:
         raise ConfigError(
             f"ONNX export takes text encoders and decoders (input_ids, attention_mask); "
-            f"{type(model.backbone).__name__} is {kind} model"
+            f"{type(model.backbone).__name__} is {info.not_text} model"
         )
     if "input_ids" not in model.info.forward_params:
         raise ConfigError(
