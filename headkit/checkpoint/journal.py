@@ -105,14 +105,8 @@ class PendingSave:
     def __exit__(self, exc_type, exc, tb) -> None:
         manifest = read_raw(self.root / MANIFEST)
         if manifest is not None or exc_type is not None:
-            keep = in_use(manifest)
-            _remove_created(self.root, self.token, keep)
-            for name in self.replaces if exc_type is None else ():
-                if name not in keep and (
-                    _provable(self.root, name)
-                    or _proven_by_checksums(self.root, name, self.previous)
-                ):
-                    _delete(self.root / name)
+            replaced = self.replaces if exc_type is None else []
+            _finish(self.root, self.token, replaced, in_use(manifest), self.previous)
         self.path.unlink(missing_ok=True)
 
 
@@ -130,11 +124,22 @@ def recover(root: Path) -> None:
         replaces = _read_record(path, token)
         if replaces is None:
             continue
-        _remove_created(root, token, keep)
-        for name in replaces:
-            if name not in keep and _provable(root, name):
-                _delete(root / name)
+        _finish(root, token, replaces, keep)
         path.unlink(missing_ok=True)
+
+
+def _finish(
+    root: Path, token: str, replaces: list[str], keep: set[str], previous: Any = None
+) -> None:
+    """Delete what the save of ``token`` created and the manifest does not ``keep``, then
+    the names it ``replaces`` that are not kept and provably headkit's (by their marker or
+    token, or by the checksums of the ``previous`` manifest)."""
+    _remove_created(root, token, keep)
+    for name in replaces:
+        if name not in keep and (
+            _provable(root, name) or _proven_by_checksums(root, name, previous)
+        ):
+            _delete(root / name)
 
 
 def _read_record(path: Path, token: str) -> list[str] | None:
