@@ -65,12 +65,25 @@ def link_backbone(
         return None
     if model_fingerprint(base_model_of(model.backbone), folder, {}) != src.fingerprint:
         return None  # changed on disk since it was loaded
-    name = f"backbone-{token}"
-    tmp = root / f".tmp-{name}"
-    tmp.mkdir()
-    write_marker(tmp, token)
+    tmp = new_backbone_folder(root, token)
     for entry in entries:
         _link_or_copy(entry, tmp / entry.name)
+    return commit_backbone_folder(tmp, root)
+
+
+def new_backbone_folder(root: Path, token: str) -> Path:
+    """The temporary folder of ``root/backbone-<token>/``, its marker written first: a
+    folder without it is never deleted."""
+    tmp = root / f".tmp-backbone-{token}"
+    tmp.mkdir()
+    write_marker(tmp, token)
+    return tmp
+
+
+def commit_backbone_folder(tmp: Path, root: Path) -> dict[str, Any]:
+    """Rename a filled ``new_backbone_folder`` into place (durable); its manifest entry,
+    with the checksum of each weight file."""
+    name = tmp.name.removeprefix(".tmp-")
     checksums = {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}
     fsync_dir(tmp)
     os.replace(tmp, root / name)

@@ -28,9 +28,9 @@ from ..backbone.tying import tied_head_weights
 from ..errors import CheckpointError, ConfigError
 from ..losses.weighting import savable_config
 from .adapters import quantization_entry, write_adapter
-from .borrow import foreign_owner, link_backbone
+from .borrow import commit_backbone_folder, foreign_owner, link_backbone, new_backbone_folder
 from .card import write_card
-from .journal import PendingSave, recover, write_marker
+from .journal import PendingSave, recover
 from .lock import folder_lock
 from .manifest import (
     FORMAT,
@@ -227,22 +227,16 @@ def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
 def _write_backbone(
     model: HeadedModel, root: Path, token: str, max_shard_size: int | str | None = None
 ) -> dict[str, Any]:
-    name = f"backbone-{token}"
-    tmp = root / f".tmp-{name}"
     options = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     # a LoRA backbone is saved as it was before peft (its adapter is saved on its own)
     if has_adapters(model.backbone):
         options["state_dict"] = base_state_dict(model.backbone)
-    tmp.mkdir()
-    write_marker(tmp, token)  # first: a folder without it is never deleted
+    tmp = new_backbone_folder(root, token)
     model.backbone.save_pretrained(tmp, safe_serialization=True, **options)
-    checksums = {f.name: sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}
     for f in tmp.iterdir():
         if f.is_file():
             fsync_file(f)
-    fsync_dir(tmp)
-    os.replace(tmp, root / name)
-    return {"kind": "saved", "path": name, "files_sha256": checksums, "fingerprint": None}
+    return commit_backbone_folder(tmp, root)
 
 
 def _commit(root: Path, manifest: dict[str, Any], token: str) -> None:
