@@ -27,6 +27,7 @@ from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
 from .budget import check_generation_size, prompt_shape
 from .labels import with_keywords
+from .reading import layer_index
 from .recording import Recorder, stitch, until_eos
 from .seq2seq import Seq2SeqDriver
 
@@ -143,7 +144,7 @@ class HeadedGenerationMixin:
             kwargs["return_dict_in_generate"] = True
         effective = _effective_config(self, generation_config, kwargs)
         keys, recorded = plan.head_layers | {plan.lm_layer}, set(plan.sequence_heads.values())
-        layers = {k if isinstance(k, int) else k[1] for k in keys}  # (DECODER, index) too
+        layers = {layer_index(k) for k in keys}  # (DECODER, index) too
         shape = prompt_shape(self, input_ids, kwargs)
         check_generation_size(self, shape, effective, layers, len(recorded))
         driver = _driver_class(type(self.backbone), self.info.encoder_decoder)(self, plan)
