@@ -230,15 +230,9 @@ class ForwardWithTargets(functools.partial):
     @property
     def __signature__(self) -> inspect.Signature:
         model = self.args[0]
-        sig = inspect.signature(self.func)
-        params = list(sig.parameters.values())[1:]  # drop self
-        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
-        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        taken = {p.name for p in params} | {p.name for p in var_kw}
         targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
         own = getattr(getattr(model, "info", None), "extra_inputs", ())
-        params += [_keyword(t) for t in dict.fromkeys([*own, *targets]) if t not in taken]
-        return sig.replace(parameters=params + var_kw)
+        return _with_names(inspect.signature(self.func), [*own, *targets], drop_self=True)
 
 
 class _ForwardWithNames(functools.partial):
@@ -248,13 +242,20 @@ class _ForwardWithNames(functools.partial):
 
     @property
     def __signature__(self) -> inspect.Signature:
-        sig = inspect.signature(self.func)
-        params = list(sig.parameters.values())
-        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
-        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        taken = {p.name for p in params} | {p.name for p in var_kw}
-        params += [_keyword(n) for n in self.names if n not in taken]
-        return sig.replace(parameters=params + var_kw)
+        return _with_names(inspect.signature(self.func), self.names)
+
+
+def _with_names(
+    sig: inspect.Signature, names: Iterable[str], drop_self: bool = False
+) -> inspect.Signature:
+    """``sig`` with ``names`` it lacks added as keyword-only parameters before its
+    ``**kwargs`` (its first parameter dropped with ``drop_self``)."""
+    params = list(sig.parameters.values())[1 if drop_self else 0 :]
+    var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in params} | {p.name for p in var_kw}
+    params += [_keyword(n) for n in dict.fromkeys(names) if n not in taken]
+    return sig.replace(parameters=params + var_kw)
 
 
 def with_keywords(forward: Any, names: Iterable[str]) -> Any:
