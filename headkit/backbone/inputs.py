@@ -345,10 +345,3 @@ def _past_length(cache: Any) -> int:
         return int(cache[0][0].shape[-2])
     except (TypeError, IndexError, AttributeError):
         return 0
-
-
-def cache_of(out: Any) -> Any:
-    """The KV cache of a backbone output: ``cache`` (transformers >= 5.24.0; its deprecated
-    alias ``past_key_values`` warns) or ``past_key_values`` (transformers < 5.24.0)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)

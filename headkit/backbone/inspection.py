@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .._transformers import auto_model_types, install_capturing_hooks, records_hidden_states
 from ..errors import BatchError, ConfigError
 from .modalities import (
     DECODER,
@@ -286,13 +287,8 @@ def _is_causal(model: nn.Module) -> bool:
     ]
     if flags:
         return any(flags)
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
     mt = getattr(model.config, "model_type", None)
-    return mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return mt in auto_model_types("CAUSAL_LM") and mt not in auto_model_types("MASKED_LM")
 
 
 def run_backbone(
@@ -444,18 +440,10 @@ def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
     nothing unless hidden states are asked for. Each stack's runner gets them (an
     encoder–decoder model's two stacks); every part of a vision-language model does (its
     vision tower records its states whatever the heads read)."""
-    try:
-        from transformers.utils import output_capturing as oc
-    except ImportError:  # transformers < 5.2.0: hidden_states without hooks
-        return
-    registry = getattr(oc, "_CAN_RECORD_REGISTRY", None)
-    install = getattr(oc, "maybe_install_capturing_hooks", None)
-    if registry is None or install is None:
-        return
     if info.modality == "vision-language":  # its vision tower always records its states
         for module in model.modules():
-            if isinstance(module, PreTrainedModel) and registry.get(module).get("hidden_states"):
-                install(module)
+            if isinstance(module, PreTrainedModel) and records_hidden_states(module):
+                install_capturing_hooks(module)
         return
     for runner, stack in stack_runners(model, info):
         keys = {
@@ -466,5 +454,5 @@ def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
         tied = stack.tie_last and not stack.last_from  # read from the runner's output
         if keys <= {stack.num_layers + 1} or (keys <= {stack.num_layers} and tied):
             continue
-        if registry.get(runner).get("hidden_states"):
-            install(runner)
+        if records_hidden_states(runner):
+            install_capturing_hooks(runner)

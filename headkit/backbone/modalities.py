@@ -28,6 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._transformers import (
+    auto_model_types,
+    can_record_outputs,
+    feat_extract_output_lengths,
+    feature_vector_attention_mask,
+)
 from ..config import STACKS
 from ..heads.pooling import pools_every_position
 
@@ -121,8 +127,8 @@ def frame_mask(
     frames = num_frames(backbone, num_samples)
     if frames is None:
         return attention_mask
-    lengths_of = _method(backbone, "_get_feat_extract_output_lengths")
-    reduce = _method(backbone, "_get_feature_vector_attention_mask")
+    lengths_of = feat_extract_output_lengths(backbone)
+    reduce = feature_vector_attention_mask(backbone)
     if reduce is not None:
         return reduce(frames, attention_mask)
     real = lengths_of(attention_mask.long().sum(-1))  # (batch,)
@@ -139,30 +145,22 @@ def frame_lengths(
     frames = num_frames(backbone, num_samples)
     if frames is None:
         return None
-    real = _method(backbone, "_get_feat_extract_output_lengths")(sample_lengths.long())
+    real = feat_extract_output_lengths(backbone)(sample_lengths.long())
     return [int(n) for n in real], frames
 
 
 def num_frames(backbone: nn.Module, num_samples: int) -> int | None:
     """The frames a speech model makes of ``num_samples`` samples of audio (its
     ``_get_feat_extract_output_lengths``; None for a model without one)."""
-    lengths_of = _method(backbone, "_get_feat_extract_output_lengths")
+    lengths_of = feat_extract_output_lengths(backbone)
     return None if lengths_of is None else int(lengths_of(torch.tensor(num_samples)))
-
-
-def _method(backbone: nn.Module, name: str) -> Any:
-    """``name`` on the backbone, else on its encoder (Whisper keeps it there)."""
-    found = getattr(backbone, name, None)
-    if found is None and hasattr(backbone, "get_encoder"):
-        found = getattr(backbone.get_encoder(), name, None)
-    return found
 
 
 def recorded_block_classes(module: nn.Module) -> tuple[type, ...]:
     """The block classes whose outputs the model itself records as ``hidden_states`` (its
     ``_can_record_outputs``): the block stack is a list of those (not, say, wav2vec2's list
     of convolutions of the same length)."""
-    spec = (getattr(type(module), "_can_record_outputs", None) or {}).get("hidden_states")
+    spec = can_record_outputs(type(module)).get("hidden_states")
     specs = spec if isinstance(spec, (list, tuple)) else [spec]
     classes = [getattr(s, "target_class", s) for s in specs]
     return tuple(c for c in classes if isinstance(c, type))
@@ -276,16 +274,15 @@ def language_model_class(config: Any) -> type:
     (T5, BART), speech-to-text (Whisper), image-text-to-text (Llava, Qwen2-VL), else causal.
     (``AutoModelForCausalLM`` of an encoder–decoder config would build its decoder alone.)"""
     import transformers
-    from transformers.models.auto import modeling_auto as auto
 
     model_type = getattr(config, "model_type", None)
-    causal = model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    for names, cls, unless_causal in (
-        ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM", False),
-        ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "AutoModelForSpeechSeq2Seq", False),
-        ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "AutoModelForImageTextToText", True),
+    causal = model_type in auto_model_types("CAUSAL_LM")
+    for mapping, cls, unless_causal in (
+        ("SEQ_TO_SEQ_CAUSAL_LM", "AutoModelForSeq2SeqLM", False),
+        ("SPEECH_SEQ_2_SEQ", "AutoModelForSpeechSeq2Seq", False),
+        ("IMAGE_TEXT_TO_TEXT", "AutoModelForImageTextToText", True),
     ):
-        found = model_type in getattr(auto, names, {}) and hasattr(transformers, cls)
+        found = model_type in auto_model_types(mapping) and hasattr(transformers, cls)
         if found and not (unless_causal and causal):
             return getattr(transformers, cls)
     return transformers.AutoModelForCausalLM

@@ -131,8 +131,10 @@ def check_model_class(
     classes); Auto classes and unknown types pass."""
     from transformers import PreTrainedModel
 
+    from .._transformers import is_auto_class
+
     theirs = backbone_class or (f"a {model_type} model" if model_type else "its backbone")
-    auto = getattr(cls, "_model_mapping", None) is not None
+    auto = is_auto_class(cls)
     if not isinstance(cls, type) or not (issubclass(cls, PreTrainedModel) or auto):
         raise ConfigError(
             f"model class {getattr(cls, '__name__', cls)} is not a transformers model class; "

@@ -132,7 +132,7 @@ def _check_options(safe_serialization: Any, max_shard_size: Any, unsupported: di
             "safetensors (True)"
         )
     if max_shard_size is not None:
-        from transformers.utils.hub import convert_file_size_to_int
+        from .._transformers import convert_file_size_to_int
 
         try:
             ok = convert_file_size_to_int(max_shard_size) > 0

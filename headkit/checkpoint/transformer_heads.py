@@ -219,7 +219,7 @@ class TransformerHeadsCheckpoint:
             )
         if self.adapter is None:
             return
-        from transformers.pytorch_utils import Conv1D
+        from .._transformers import Conv1D
 
         prefix = _prefix_of(self.adapter)
         state = {k.removeprefix(prefix): v for k, v in self.adapter.items() if not _is_head_key(k)}
@@ -435,7 +435,7 @@ def _model_type(base: str | None) -> str | None:
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    from transformers.utils import logging
+    from .._transformers import logging
 
     level = logging.get_verbosity()
     logging.set_verbosity_error()

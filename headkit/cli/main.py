@@ -130,7 +130,8 @@ def _progress_bars(shown: bool) -> Iterator[None]:
     import warnings
 
     from huggingface_hub import utils as hub
-    from transformers.utils import logging
+
+    from .._transformers import logging
 
     were_shown, hub_off = logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
     verbosity = logging.get_verbosity()

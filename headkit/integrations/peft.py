@@ -210,13 +210,13 @@ def default_lora_targets(model: HeadedModel) -> list[str]:
 
 
 def _is_linear(m: nn.Module) -> bool:
-    from transformers.pytorch_utils import Conv1D
+    from .._transformers import Conv1D
 
     return isinstance(m, (nn.Linear, Conv1D))
 
 
 def _all_conv1d(backbone: nn.Module, names: list[str]) -> bool:
-    from transformers.pytorch_utils import Conv1D
+    from .._transformers import Conv1D
 
     return all(isinstance(backbone.get_submodule(n), Conv1D) for n in names)
 

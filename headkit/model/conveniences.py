@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._transformers import HOOKS_INSIDE_CHECKPOINT, resized_lm_head
 from ..errors import ConfigError
 from ..heads.base import Head
 from .parallel import drop_idle_gradients
@@ -68,6 +69,7 @@ class PreTrainedConveniences:
         only while some backbone parameter is trainable (LoRA under reentrant checkpointing
         needs it; a frozen backbone would otherwise build a graph nobody uses).
         """
+        self._check_reentrant(activation_checkpointing_kwargs)
         bb = self.backbone
         if hasattr(bb, "activation_checkpointing_enable"):
             bb.activation_checkpointing_enable(
@@ -83,6 +85,23 @@ class PreTrainedConveniences:
         emb = _input_embeddings(bb)
         if emb is not None:
             self._input_grad_hook = emb.register_forward_hook(self._inputs_require_grad)
+
+    def _check_reentrant(self, kwargs: dict | None) -> None:
+        """Refuse a reentrant checkpoint where the installed transformers would run the hooks
+        that capture a head's state inside it: that state would carry no gradient into the
+        backbone, silently."""
+        if not (kwargs or {}).get("use_reentrant") or not HOOKS_INSIDE_CHECKPOINT:
+            return
+        top = self.info.num_layers
+        inside = sorted({i for i in self.hooked_layers().values() if 0 < i < top})
+        if inside:
+            raise ConfigError(
+                f"activation_checkpointing_kwargs use_reentrant=True is invalid with heads on "
+                f"blocks {inside} below the last ({top}): the installed transformers (< 5.23) "
+                "checkpoints a block's __call__, so the hooks reading them would run inside the "
+                "reentrant checkpoint and pass no gradient to the backbone; use "
+                "use_reentrant=False (the default) or transformers >= 5.23"
+            )
 
     def activation_checkpointing_disable(self) -> None:
         """Store activations again (undo ``activation_checkpointing_enable``)."""
@@ -272,6 +291,6 @@ def _vocab_size(backbone: Any) -> int | None:
 def _resize_projection(backbone: Any, head: Head, new: int, mean_resizing: bool) -> None:
     """Replace the head's output projection by one with ``new`` outputs (transformers' rule)."""
     old = head.output_projection()
-    resized = backbone._get_resized_lm_head(old, new, mean_resizing=mean_resizing)
+    resized = resized_lm_head(backbone, old, new, mean_resizing)
     resized.requires_grad_(old.weight.requires_grad)
     head.replace_output_projection(resized)

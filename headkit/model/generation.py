@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
-from transformers.generation.configuration_utils import GenerationMode
-from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
-from transformers.utils import ModelOutput
 
-from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
+from .._transformers import (
+    CausalLMOutputWithPast,
+    GenerationMode,
+    ModelOutput,
+    cache_of,
+    model_output,
+    slice_logits_to_keep,
+)
+from ..backbone.inputs import check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
 from .budget import check_generation_size, prompt_shape
 from .labels import with_keywords
@@ -361,9 +365,10 @@ class _HeadedDriver:
         logits, cache, out = self.step(
             inputs, flags, past, input_ids, position_ids, cache, logits_to_keep
         )
-        return CausalLMOutputWithPast(
+        return model_output(
+            CausalLMOutputWithPast,
+            cache,
             logits=logits,
-            cache=cache,
             hidden_states=getattr(out, "hidden_states", None),
             attentions=getattr(out, "attentions", None),
         )
@@ -455,7 +460,7 @@ def _finish(
         driver.final_step = True
         seen = torch.cat([prompt_mask, torch.ones_like(generated_mask)], -1).to(dev)
         position = None if last_pos is None else last_pos + 1
-        driver(**driver.final_inputs(last, seen, out.cache, position))
+        driver(**driver.final_inputs(last, seen, cache_of(out), position))
     elif N > 0:  # no head needs the last token's states: only its log-probability
         rec.logprobs[total - 1] = rec.logprob_of(last)
     headed = driver._headed

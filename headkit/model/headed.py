@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.utils import ModelOutput
 
+from .._transformers import ModelOutput, cache_of
 from ..backbone.adapters import (
     adopt_adapters,
     freeze_base,
@@ -27,7 +27,6 @@ from ..backbone.adapters import (
 )
 from ..backbone.inputs import (
     MODEL_INPUTS,
-    cache_of,
     drop_tokenizer_extras,
     prepare_inputs,
     run_stage,

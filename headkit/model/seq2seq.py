@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.modeling_outputs import Seq2SeqLMOutput
 
+from .._transformers import Seq2SeqLMOutput, model_output
 from ..backbone.inputs import BackboneInputs, prepare_decoder_inputs
 
 
@@ -74,9 +74,10 @@ class Seq2SeqDriver:
         logits, cache, out = self.step(
             inputs, flags, past, decoder_input_ids, None, cache, logits_to_keep
         )
-        return Seq2SeqLMOutput(
+        return model_output(
+            Seq2SeqLMOutput,
+            cache,
             logits=logits,
-            cache=cache,
             decoder_hidden_states=getattr(out, "hidden_states", None),
             decoder_attentions=getattr(out, "attentions", None),
         )

