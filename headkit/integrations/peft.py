@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,17 +150,39 @@ def create_headed_qlora(
         copy.deepcopy(lora_config) if lora_config is not None else peft.LoraConfig(**DEFAULT_LORA)
     )
     config.task_type = None  # the heads are the task
-    if config.layers_to_transform is not None and not config.layers_pattern:
-        # peft's default pattern needs a parent before the block list ("model.layers.3"); the
-        # backbone's names start at it ("layers.3"): name the list
-        config.layers_pattern = model.info.layers_path.rsplit(".", 1)[-1]
     if config.target_modules is None:
         config.target_modules = default_lora_targets(model)
         config.fan_in_fan_out = _all_conv1d(model.backbone, config.target_modules)
+    if config.layers_to_transform is not None and not config.layers_pattern:
+        # peft's default pattern needs a parent before the block list ("model.layers.3"); the
+        # backbone's names start at it ("layers.3"): name the list
+        _name_the_block_list(config, model.info.layers_path.rsplit(".", 1)[-1])
     add_lora(model, config)
     if o["gradient_checkpointing"]:
         enable_gradient_checkpointing(model)
     return model
+
+
+def _name_the_block_list(config: Any, blocks: str) -> None:
+    """Make ``config.layers_to_transform`` count the blocks of the list named ``blocks``,
+    whose names start the backbone's ("h.3.attn"). peft >= 0.21 takes that list as
+    ``layers_pattern``; older peft finds a pattern only below a parent ("model.h.3"), so
+    there the targets become one regex naming those blocks' modules (feature-detected)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config.layers_pattern = blocks
+    targets = config.target_modules
+    probe = copy.copy(config)
+    probe.target_modules, probe.layers_to_transform = {"probe"}, [0]
+    if check_target_module_exists(probe, f"{blocks}.0.probe") or isinstance(targets, str):
+        return
+    layers = config.layers_to_transform
+    layers = [layers] if isinstance(layers, int) else layers
+    config.target_modules = (
+        rf"{re.escape(blocks)}\.({'|'.join(str(int(i)) for i in layers)})\.(?:.*\.)?"
+        rf"({'|'.join(re.escape(t) for t in sorted(targets))})"
+    )
+    config.layers_to_transform = config.layers_pattern = None
 
 
 def _one_of(name: Any, alias: Any, what: str) -> Any:
