@@ -48,8 +48,11 @@ def to_sentence_transformer(
     activation that is not a plain ``torch.nn`` module.
     """
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.base.modules import Dense, Transformer
-    from sentence_transformers.sentence_transformer.modules import Pooling
+    try:  # sentence-transformers >= 5.7 (its old paths warn)
+        from sentence_transformers.base.modules import Dense, Transformer
+        from sentence_transformers.sentence_transformer.modules import Pooling
+    except ImportError:  # older: the same modules under sentence_transformers.models
+        from sentence_transformers.models import Dense, Pooling, Transformer
 
     cfg, mode, layers = _exportable(model, head)
     with tempfile.TemporaryDirectory(prefix="headkit-st-") as tmp:
