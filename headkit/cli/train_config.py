@@ -50,7 +50,8 @@ Rate = Annotated[float, Field(gt=0, allow_inf_nan=False), BeforeValidator(_numbe
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # protected_namespaces=(): a field may start with "model_" (pydantic < 2.10 refuses or warns)
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
 
 class DataSection(_Section):
@@ -82,7 +83,7 @@ class TrainingSection(_Section):
 class ModelKwargs(_Section):
     """``model_kwargs:``: any ``from_pretrained`` arguments; a dtype only by name."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, protected_namespaces=())
 
     torch_dtype: Literal[DTYPES] | None = None  # type: ignore[valid-type]
     dtype: Literal[DTYPES] | None = None  # type: ignore[valid-type]
