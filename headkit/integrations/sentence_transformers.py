@@ -48,6 +48,7 @@ def to_sentence_transformer(
     activation that is not a plain ``torch.nn`` module.
     """
     from sentence_transformers import SentenceTransformer
+
     try:  # sentence-transformers >= 5.7 (its old paths warn)
         from sentence_transformers.base.modules import Dense, Transformer
         from sentence_transformers.sentence_transformer.modules import Pooling
