@@ -11,6 +11,7 @@ non-top-level or private transformers name anywhere else. ``__all__`` lists what
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -18,7 +19,6 @@ import transformers
 from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
-from transformers.models.auto import modeling_auto as _auto
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 from transformers.utils.hub import convert_file_size_to_int
@@ -27,11 +27,6 @@ try:  # transformers >= 5.25
     from transformers.modeling_utils import slice_logits_to_keep as _slice_logits_to_keep
 except ImportError:  # older: the same two lines, kept here
     _slice_logits_to_keep = None
-
-try:  # the base class of checkpointable blocks
-    from transformers.modeling_layers import GradientCheckpointingLayer as _CheckpointedBlock
-except ImportError:
-    _CheckpointedBlock = None
 
 try:  # transformers >= 5.2: hooks that record outputs, installed on the first call
     from transformers.utils import output_capturing as _capturing
@@ -44,7 +39,6 @@ __all__ = [
     "CausalLMOutputWithPast",
     "Conv1D",
     "GenerationMode",
-    "HOOKS_INSIDE_CHECKPOINT",
     "ModelOutput",
     "Seq2SeqLMOutput",
     "TRAINER_OVERRIDES",
@@ -54,6 +48,7 @@ __all__ = [
     "convert_file_size_to_int",
     "feat_extract_output_lengths",
     "feature_vector_attention_mask",
+    "hooks_inside_checkpoint",
     "install_capturing_hooks",
     "is_auto_class",
     "logging",
@@ -70,16 +65,23 @@ logging = transformers.logging
 #: the tests check that the installed Trainer still calls each by this name.
 TRAINER_OVERRIDES = ("_save", "_save_checkpoint", "_load_from_checkpoint", "_load_best_model")
 
-#: Whether activation checkpointing runs a block's module hooks inside the checkpoint: it
-#: checkpoints the block's ``__call__`` (transformers < 5.23) rather than its ``forward``. Under
-#: a reentrant checkpoint such hooks see no autograd graph, so a state they capture carries no
-#: gradient back into the backbone.
-HOOKS_INSIDE_CHECKPOINT = _CheckpointedBlock is None or "__call__" in vars(_CheckpointedBlock)
-
 #: The name of the KV cache's field in model outputs: ``cache`` (transformers >= 5.24, which
 #: keeps ``past_key_values`` as a deprecated alias) or ``past_key_values`` (older).
 _OUTPUT_FIELDS = CausalLMOutputWithPast.__dataclass_fields__
 CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
+
+
+@functools.cache
+def hooks_inside_checkpoint() -> bool:
+    """Whether activation checkpointing runs a block's module hooks inside the checkpoint: it
+    checkpoints the block's ``__call__`` (transformers < 5.23) rather than its ``forward``.
+    Under a reentrant checkpoint such hooks see no autograd graph, so a state they capture
+    carries no gradient back into the backbone."""
+    try:  # imported here: on some versions it imports code that imports scikit-learn
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return True
+    return "__call__" in vars(GradientCheckpointingLayer)
 
 
 def model_output(cls: type, cache: Any = None, **fields: Any) -> Any:
@@ -109,7 +111,10 @@ def auto_model_types(mapping: str) -> frozenset[str]:
     """The model types of one of transformers' Auto mappings by its name without the
     ``MODEL_FOR_`` prefix and ``_MAPPING_NAMES`` suffix (``"CAUSAL_LM"``); empty when the
     installed version has no such mapping."""
-    return frozenset(getattr(_auto, f"MODEL_FOR_{mapping}_MAPPING_NAMES", None) or ())
+    # imported here: on some versions it imports generation code that imports scikit-learn
+    from transformers.models.auto import modeling_auto
+
+    return frozenset(getattr(modeling_auto, f"MODEL_FOR_{mapping}_MAPPING_NAMES", None) or ())
 
 
 def is_auto_class(cls: Any) -> bool:

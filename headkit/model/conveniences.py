@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._transformers import HOOKS_INSIDE_CHECKPOINT, resized_lm_head
+from .._transformers import hooks_inside_checkpoint, resized_lm_head
 from ..errors import ConfigError
 from ..heads.base import Head
 from .parallel import drop_idle_gradients
@@ -90,7 +90,7 @@ class PreTrainedConveniences:
         """Refuse a reentrant checkpoint where the installed transformers would run the hooks
         that capture a head's state inside it: that state would carry no gradient into the
         backbone, silently."""
-        if not (kwargs or {}).get("use_reentrant") or not HOOKS_INSIDE_CHECKPOINT:
+        if not (kwargs or {}).get("use_reentrant") or not hooks_inside_checkpoint():
             return
         top = self.info.num_layers
         inside = sorted({i for i in self.hooked_layers().values() if 0 < i < top})

