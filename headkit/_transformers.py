@@ -49,6 +49,7 @@ __all__ = [
     "feat_extract_output_lengths",
     "feature_vector_attention_mask",
     "hooks_inside_checkpoint",
+    "image_processor",
     "install_capturing_hooks",
     "is_auto_class",
     "logging",
@@ -172,3 +173,23 @@ def resized_lm_head(model: Any, old: nn.Linear, new: int, mean_resizing: bool) -
     copied, added rows from the old rows' mean and covariance (``mean_resizing``) or the
     model's init (its ``_get_resized_lm_head``)."""
     return model._get_resized_lm_head(old, new, mean_resizing=mean_resizing)
+
+
+def image_processor(source: str, **kwargs: Any) -> Any:
+    """The image processor saved in folder ``source`` (``AutoImageProcessor``). Where that
+    needs torchvision and it is missing (transformers < 5.25 builds the torchvision-backed
+    class by default), the PIL-backed class the config names (``<type>Pil``)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(source, **kwargs)
+    except ImportError:
+        path = Path(source, "preprocessor_config.json")
+        kind = (
+            json.loads(path.read_text()).get("image_processor_type", "") if path.is_file() else ""
+        )
+        pil = getattr(transformers, kind.removesuffix("Fast") + "Pil", None) if kind else None
+        if pil is None:
+            raise
+        return pil.from_pretrained(source, **kwargs)

@@ -39,6 +39,7 @@ PROVIDED = {
     "feat_extract_output_lengths",
     "feature_vector_attention_mask",
     "hooks_inside_checkpoint",
+    "image_processor",
     "install_capturing_hooks",
     "is_auto_class",
     "logging",

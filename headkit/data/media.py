@@ -120,11 +120,13 @@ def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
 
 def load_processor(source: str | os.PathLike, kind: str) -> Any:
     """The image processor ("image") or feature extractor ("audio") saved with a model."""
-    from transformers import AutoFeatureExtractor, AutoImageProcessor
+    from transformers import AutoFeatureExtractor
 
-    cls = AutoImageProcessor if kind == "image" else AutoFeatureExtractor
+    from .._transformers import image_processor
+
+    load = image_processor if kind == "image" else AutoFeatureExtractor.from_pretrained
     try:
-        return cls.from_pretrained(str(source), trust_remote_code=False)
+        return load(str(source), trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         what = "an image processor" if kind == "image" else "a feature extractor"
         raise CheckpointError(
