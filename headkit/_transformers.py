@@ -186,9 +186,9 @@ def image_processor(source: str, **kwargs: Any) -> Any:
         return transformers.AutoImageProcessor.from_pretrained(source, **kwargs)
     except ImportError:
         path = Path(source, "preprocessor_config.json")
-        kind = (
-            json.loads(path.read_text()).get("image_processor_type", "") if path.is_file() else ""
-        )
+        if not path.is_file():  # what AutoImageProcessor says where it runs
+            raise OSError(f"{source} does not appear to have a file named {path.name}") from None
+        kind = json.loads(path.read_text()).get("image_processor_type", "")
         pil = getattr(transformers, kind.removesuffix("Fast") + "Pil", None) if kind else None
         if pil is None:
             raise
