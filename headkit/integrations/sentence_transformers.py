@@ -49,11 +49,8 @@ def to_sentence_transformer(
     """
     from sentence_transformers import SentenceTransformer
 
-    try:  # sentence-transformers >= 5.7 (its old paths warn)
-        from sentence_transformers.base.modules import Dense, Transformer
-        from sentence_transformers.sentence_transformer.modules import Pooling
-    except ImportError:  # older: the same modules under sentence_transformers.models
-        from sentence_transformers.models import Dense, Pooling, Transformer
+    from sentence_transformers.base.modules import Dense, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
 
     cfg, mode, layers = _exportable(model, head)
     with tempfile.TemporaryDirectory(prefix="headkit-st-") as tmp:
