@@ -48,7 +48,6 @@ def to_sentence_transformer(
     activation that is not a plain ``torch.nn`` module.
     """
     from sentence_transformers import SentenceTransformer
-
     from sentence_transformers.base.modules import Dense, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
