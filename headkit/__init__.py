@@ -43,17 +43,17 @@ _LAZY: dict[str, str] = {
     "ProbeRow": "probe.results",
     "SequencePooling": "heads.pooling",
     "cache_features": "features",
-    "create_headed_qlora": "integrations.peft",
+    "create_headed_qlora": "compat.calls",
     "evaluate_head_wise": "metrics",
     "export": "deploy",
-    "get_model_params": "integrations.transformer_heads",
-    "get_top_n_preds": "integrations.transformer_heads",
-    "load_headed": "loading",
+    "get_model_params": "compat.helpers",
+    "get_top_n_preds": "compat.helpers",
+    "load_headed": "compat.calls",
     "load_lora_with_heads": "integrations.peft",
     "merge_and_unload": "integrations.peft",
     "parse_layers": "probe.sweep",
     "predict_on_features": "features",
-    "print_trainable_parameters": "integrations.transformer_heads",
+    "print_trainable_parameters": "compat.helpers",
     "probe_layers": "probe.sweep",
     "shard": "model.sharding",
     "to_sentence_transformer": "integrations.sentence_transformers",
@@ -105,6 +105,18 @@ __all__ = [
 ]
 
 
+def _register_edges() -> None:
+    """Wire the edge packages into the core's registries by name (nothing is imported: each
+    is imported the first time its entry is asked for). This package is where core and edges
+    meet; the core itself never names an edge."""
+    from .formats import READERS
+
+    READERS.register_lazy("transformer-heads", "headkit.compat.checkpoint:READER")
+
+
+_register_edges()
+
+
 def __getattr__(name: str) -> Any:
     """Import a public name's submodule on first use (and any submodule, ``headkit.config``)."""
     where = _LAZY.get(name)
@@ -122,6 +134,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, not in __all__)
+    from .compat.calls import create_headed_qlora, load_headed
+    from .compat.helpers import (
+        get_model_params,
+        get_top_n_preds,
+        print_trainable_parameters,
+    )
     from .config import HeadConfig
     from .data.collator import HeadedCollator
     from .deploy import export
@@ -143,16 +161,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, no
     from .heads.mlp import MLPHead
     from .heads.pooling import POOLINGS, PoolingStrategy
     from .heads.pooling import SequencePooling as SequencePooling
-    from .integrations.peft import create_headed_qlora, load_lora_with_heads
+    from .integrations.peft import load_lora_with_heads
     from .integrations.peft import merge_and_unload as merge_and_unload
     from .integrations.sentence_transformers import to_sentence_transformer
     from .integrations.trainer import HeadedTrainer as HeadedTrainer
-    from .integrations.transformer_heads import (
-        get_model_params,
-        get_top_n_preds,
-        print_trainable_parameters,
-    )
-    from .loading import load_headed
     from .losses.objective import LOSSES, LossSpec
     from .losses.weighting import WEIGHTINGS, LossWeighting
     from .metrics import HeadwiseMetrics, evaluate_head_wise

@@ -1,7 +1,7 @@
 """HeadConfig: what a head reads, what it predicts, and how it is trained.
 
-Field names, order and defaults follow ``transformer-heads`` so its configs run unchanged;
-headkit's own fields come after them. What a loss allows is asked of its ``LossSpec``.
+The first fields' names, order and defaults are those older multi-head libraries' configs
+use, so their configs run unchanged; headkit's own fields come after them. What a loss allows is asked of its ``LossSpec``.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def convert(
     """Write the headkit checkpoint of the transformer-heads folder ``checkpoint`` to
     ``output`` (atomically: a sibling folder renamed into place); returns ``output``."""
     from ..checkpoint.paths import is_checkpoint
-    from ..checkpoint.transformer_heads import detect
+    from ..compat.checkpoint import detect
     from ..loading import load_headed
     from ..model.headed import HeadedModel
     from .outputs import check_output_folder, local_inputs

@@ -205,7 +205,7 @@ class PreTrainedConveniences:
     # ------------------------------------------------------------------ parameters
     @property
     def model(self) -> nn.Module:
-        """The backbone, under the name transformer-heads gave it (``th_model.model``)."""
+        """The backbone, also under the name ``model``."""
         return self.backbone
 
     @property

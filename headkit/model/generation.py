@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 #: Decoding modes whose rows stay in place from step to step (beams reorder them).
 _ROW_STABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 #: Where per-step head outputs are read: at each token's own position, or at the step that
-#: chose it (transformer-heads' alignment).
+#: chose it.
 HEAD_OUTPUTS_AT = ("token", "step")
 #: generate() keywords that would hand a cache in or out of headkit's control.
 _CACHE_KWARGS = ("cache", "past_key_values")
@@ -58,7 +58,7 @@ class HeadedGenerateOutput(ModelOutput):
       num_outputs), value at generated token t computed on the hidden state at the position
       of token t itself; sequence heads (R, num_outputs), on each finished sequence (prompt
       and generated tokens up to and including the row's first eos). With
-      ``head_outputs_at="step"`` (transformer-heads' alignment) entry t is read one position
+      ``head_outputs_at="step"`` entry t is read one position
       earlier, and sequence heads give (R, N, num_outputs).
     - ``generated_mask`` (R, N): 1 for generated tokens up to and including the row's first
       eos, 0 for the padding generate appends after it.
@@ -78,7 +78,7 @@ class HeadedGenerateOutput(ModelOutput):
     logits: tuple[torch.Tensor, ...] | None = None
 
     @property
-    def logprobs(self) -> torch.Tensor | None:  # transformer-heads' name
+    def logprobs(self) -> torch.Tensor | None:  # the older name
         return self.token_logprobs
 
 
@@ -112,8 +112,8 @@ class HeadedGenerationMixin:
         token t is computed on the hidden state at the position of token t itself, i.e. the
         value a plain forward over the final ``sequences`` gives at that position; sequence
         heads pool each finished sequence (prompt and generated tokens up to and including the
-        first eos), (R, num_outputs). ``head_outputs_at="step"`` (transformer-heads'
-        alignment): entry t is computed at the step that chose token t, on the state of the
+        first eos), (R, num_outputs). ``head_outputs_at="step"``:
+        entry t is computed at the step that chose token t, on the state of the
         position before it (the last prompt token for t = 0), so its ``[t + 1]`` is the
         default's ``[t]``; sequence heads give (R, N, num_outputs), entry t pooling the
         sequence up to that position. Every step runs the backbone

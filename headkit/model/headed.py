@@ -77,7 +77,7 @@ class HeadedModelOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
 
     @property
-    def past_key_values(self) -> Any:  # the name transformer-heads users know
+    def past_key_values(self) -> Any:  # the name other multi-head libraries use
         return self.cache
 
 
