@@ -1,7 +1,8 @@
 """HeadConfig: what a head reads, what it predicts, and how it is trained.
 
 The first fields' names, order and defaults are those older multi-head libraries' configs
-use, so their configs run unchanged; headkit's own fields come after them. What a loss allows is asked of its ``LossSpec``.
+use, so their configs run unchanged; headkit's own fields come after them. What a loss
+allows is asked of its ``LossSpec``.
 """
 
 from __future__ import annotations
