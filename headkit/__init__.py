@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 #: Every public name -> the submodule (relative to ``headkit``) that defines it.
 _LAZY: dict[str, str] = {
     "ACTIVATIONS": "heads.activations",
+    "EXPORTERS": "formats",
     "HEADS": "heads.base",
     "LOSSES": "losses.objective",
     "POOLINGS": "heads.pooling",
@@ -60,58 +61,33 @@ _LAZY: dict[str, str] = {
     "train_heads_on_features": "features",
 }
 
-# What a user needs. Importable by name but not here: HeadedTrainer (importing it imports
-# transformers.trainer, peft and datasets), SequencePooling and parse_layers (building blocks)
-# and merge_and_unload (a copy of HeadedModel.merge_and_unload).
-__all__ = [
-    "ACTIVATIONS",
-    "HEADS",
-    "LOSSES",
-    "POOLINGS",
-    "WEIGHTINGS",
-    "BatchError",
-    "CachedFeatures",
-    "CheckpointError",
-    "ConfigError",
-    "Head",
-    "HeadConfig",
-    "HeadedCollator",
-    "HeadedGenerateOutput",
-    "HeadedModel",
-    "HeadedModelOutput",
-    "HeadkitError",
-    "HeadwiseMetrics",
-    "LossSpec",
-    "LossWeighting",
-    "MLPHead",
-    "NonFiniteLossError",
-    "PoolingStrategy",
-    "ProbeResults",
-    "ProbeRow",
-    "cache_features",
-    "create_headed_qlora",
-    "evaluate_head_wise",
-    "export",
-    "get_model_params",
-    "get_top_n_preds",
-    "load_headed",
-    "load_lora_with_heads",
-    "predict_on_features",
-    "print_trainable_parameters",
-    "probe_layers",
-    "shard",
-    "to_sentence_transformer",
-    "train_heads_on_features",
-]
+#: Importable by name but left out of ``__all__``: HeadedTrainer (importing it imports
+#: transformers.trainer, peft and datasets), SequencePooling and parse_layers (building
+#: blocks), merge_and_unload (a copy of HeadedModel.merge_and_unload) and EXPORTERS (an
+#: extension point, like ``headkit.formats.READERS``).
+_BY_NAME_ONLY = frozenset(
+    {"EXPORTERS", "HeadedTrainer", "SequencePooling", "merge_and_unload", "parse_layers"}
+)
+#: What a user needs: every public name but those above (``_LAZY`` is the one list).
+__all__ = sorted(n for n in _LAZY if n not in _BY_NAME_ONLY)
 
 
 def _register_edges() -> None:
     """Wire the edge packages into the core's registries by name (nothing is imported: each
     is imported the first time its entry is asked for). This package is where core and edges
     meet; the core itself never names an edge."""
-    from .formats import READERS
+    from .formats import EXPORTERS, READERS
 
     READERS.register_lazy("transformer-heads", "headkit.compat.checkpoint:READER")
+    EXPORTERS.register_lazy("onnx", "headkit.integrations.onnx:export_onnx")
+    EXPORTERS.register_lazy(
+        "transformers", "headkit.integrations.hf_classifiers:export_transformers"
+    )
+    EXPORTERS.register_lazy(
+        "sentence-transformers",
+        "headkit.integrations.sentence_transformers:export_sentence_transformer",
+    )
+    EXPORTERS.register_lazy("hub", "headkit.model.hub:export_to_hub")
 
 
 _register_edges()
@@ -133,44 +109,49 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 
-if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, not in __all__)
-    from .compat.calls import create_headed_qlora, load_headed
-    from .compat.helpers import (
-        get_model_params,
-        get_top_n_preds,
-        print_trainable_parameters,
-    )
-    from .config import HeadConfig
-    from .data.collator import HeadedCollator
-    from .deploy import export
-    from .errors import (
-        BatchError,
-        CheckpointError,
-        ConfigError,
-        HeadkitError,
-        NonFiniteLossError,
-    )
-    from .features import (
-        CachedFeatures,
-        cache_features,
-        predict_on_features,
-        train_heads_on_features,
-    )
-    from .heads.activations import ACTIVATIONS
-    from .heads.base import HEADS, Head
-    from .heads.mlp import MLPHead
-    from .heads.pooling import POOLINGS, PoolingStrategy
+if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names, re-exported)
+    from .compat.calls import create_headed_qlora as create_headed_qlora
+    from .compat.calls import load_headed as load_headed
+    from .compat.helpers import get_model_params as get_model_params
+    from .compat.helpers import get_top_n_preds as get_top_n_preds
+    from .compat.helpers import print_trainable_parameters as print_trainable_parameters
+    from .config import HeadConfig as HeadConfig
+    from .data.collator import HeadedCollator as HeadedCollator
+    from .deploy import export as export
+    from .errors import BatchError as BatchError
+    from .errors import CheckpointError as CheckpointError
+    from .errors import ConfigError as ConfigError
+    from .errors import HeadkitError as HeadkitError
+    from .errors import NonFiniteLossError as NonFiniteLossError
+    from .features import CachedFeatures as CachedFeatures
+    from .features import cache_features as cache_features
+    from .features import predict_on_features as predict_on_features
+    from .features import train_heads_on_features as train_heads_on_features
+    from .formats import EXPORTERS as EXPORTERS
+    from .heads.activations import ACTIVATIONS as ACTIVATIONS
+    from .heads.base import HEADS as HEADS
+    from .heads.base import Head as Head
+    from .heads.mlp import MLPHead as MLPHead
+    from .heads.pooling import POOLINGS as POOLINGS
+    from .heads.pooling import PoolingStrategy as PoolingStrategy
     from .heads.pooling import SequencePooling as SequencePooling
-    from .integrations.peft import load_lora_with_heads
+    from .integrations.peft import load_lora_with_heads as load_lora_with_heads
     from .integrations.peft import merge_and_unload as merge_and_unload
-    from .integrations.sentence_transformers import to_sentence_transformer
+    from .integrations.sentence_transformers import (
+        to_sentence_transformer as to_sentence_transformer,
+    )
     from .integrations.trainer import HeadedTrainer as HeadedTrainer
-    from .losses.objective import LOSSES, LossSpec
-    from .losses.weighting import WEIGHTINGS, LossWeighting
-    from .metrics import HeadwiseMetrics, evaluate_head_wise
-    from .model.generation import HeadedGenerateOutput
-    from .model.headed import HeadedModel, HeadedModelOutput
-    from .model.sharding import shard
-    from .probe.results import ProbeResults, ProbeRow
+    from .losses.objective import LOSSES as LOSSES
+    from .losses.objective import LossSpec as LossSpec
+    from .losses.weighting import WEIGHTINGS as WEIGHTINGS
+    from .losses.weighting import LossWeighting as LossWeighting
+    from .metrics import HeadwiseMetrics as HeadwiseMetrics
+    from .metrics import evaluate_head_wise as evaluate_head_wise
+    from .model.generation import HeadedGenerateOutput as HeadedGenerateOutput
+    from .model.headed import HeadedModel as HeadedModel
+    from .model.headed import HeadedModelOutput as HeadedModelOutput
+    from .model.sharding import shard as shard
+    from .probe.results import ProbeResults as ProbeResults
+    from .probe.results import ProbeRow as ProbeRow
     from .probe.sweep import parse_layers as parse_layers
-    from .probe.sweep import probe_layers
+    from .probe.sweep import probe_layers as probe_layers

@@ -92,6 +92,16 @@ def push_to_hub(
     return PushResult(repo_id, target if keep else None, files, left_out, url)
 
 
+def export_to_hub(
+    model: HeadedModel | str | os.PathLike, output_dir: str | os.PathLike, **options: Any
+) -> PushResult:
+    """The ``"hub"`` exporter (``headkit.export``): ``push_to_hub(model, repo_id, ...)``
+    staged in ``output_dir`` (``options``: ``repo_id`` and ``push_to_hub``'s keywords)."""
+    if "repo_id" not in options:
+        raise ConfigError("format='hub' needs repo_id=", field="repo_id", value=None)
+    return push_to_hub(model, options.pop("repo_id"), output=output_dir, **options)
+
+
 def stage(
     source: Any,
     target: Path,
