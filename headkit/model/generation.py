@@ -26,7 +26,6 @@ from transformers.utils import ModelOutput
 from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
 from .budget import check_generation_size, prompt_shape
-from .labels import with_keywords
 from .reading import layer_index
 from .recording import Recorder, stitch, until_eos
 from .seq2seq import Seq2SeqDriver
@@ -323,8 +322,14 @@ class _HeadedDriver:
         self.generation_config = copy.deepcopy(default_generation_config(headed))
         self.recorder = Recorder()
         self.final_step = False
-        self.forward = with_keywords(self.forward, headed.info.extra_inputs)  # pixel_values...
         self.prompt_length: int | None = None  # an encoder–decoder model's decoder start
+
+    def _validate_model_kwargs(self, model_kwargs: dict[str, Any]) -> None:
+        """transformers' check of generate's keywords against ``forward``'s parameters, less
+        the backbone's own inputs (``pixel_values``, ...), which ``forward`` passes on
+        through its ``**kwargs`` to the input stage."""
+        own = set(self._headed.info.extra_inputs)
+        super()._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k not in own})
 
     def forward(
         self,
