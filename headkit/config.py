@@ -114,7 +114,9 @@ class HeadConfig:
     def _bad(self, field_name: str, value: Any, allowed: str) -> ConfigError:
         return ConfigError(
             f"HeadConfig(name={_show(self.name)}): {field_name}={_show(value)} is invalid; "
-            f"{allowed}"
+            f"{allowed}",
+            field=field_name,
+            value=value,
         )
 
     def _as_python_values(self) -> None:

@@ -193,7 +193,9 @@ def _backbone(
             return model, None
         raise ConfigError(
             f"model={type(model).__name__} is invalid; a path, hub id, PreTrainedModel class "
-            "or PreTrainedModel"
+            "or PreTrainedModel",
+            field="model",
+            value=type(model).__name__,
         )
     hf = load_backbone(str(where), torch_dtype=torch_dtype, device_map=device_map, **how, **kwargs)
     return hf, source_of(hf, where, torch_dtype, kwargs)

@@ -47,7 +47,9 @@ def open_checkpoint(
         tokenizer = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(
-            f"CHECKPOINT={str(root)!r} holds no tokenizer ({e}); was it written by headkit train?"
+            f"CHECKPOINT={str(root)!r} holds no tokenizer ({e}); was it written by headkit train?",
+            field="CHECKPOINT",
+            value=str(root),
         ) from None
     return model.eval(), tokenizer, settings
 

@@ -87,7 +87,11 @@ def load_train_config(
 
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"CONFIG={str(path)!r} does not exist; a YAML file (see docs/cli.md)")
+        raise ConfigError(
+            f"CONFIG={str(path)!r} does not exist; a YAML file (see docs/cli.md)",
+            field="CONFIG",
+            value=str(path),
+        )
     parsed = parse_config(load_yaml(path), str(path))
     training = parsed.training.model_dump()
     for key, value in DEFAULTS[training["freeze_backbone"]].items():
