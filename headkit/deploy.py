@@ -28,7 +28,7 @@ def export(model: Any, directory: str | os.PathLike, format: str = "onnx", **opt
     exporter's (``export_onnx``: ``tokenizer``, ``heads``, ``atol``, ...)."""
     if format not in EXPORTERS:
         raise ConfigError(
-            f"format={format!r} is invalid; allowed: {', '.join(EXPORTERS.names())}",
+            f"format={format!r} is invalid; allowed: {', '.join(EXPORTERS.in_order())}",
             field="format",
             value=format,
         )

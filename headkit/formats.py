@@ -34,8 +34,8 @@ from .registry import Registry
 if TYPE_CHECKING:
     import torch
 
+    from .checkpoint.contract import CheckpointModel
     from .checkpoint.restore import Checkpoint
-    from .model.headed import HeadedModel as CheckpointModel
 
 #: The reader asked last, for any folder no other reader recognises.
 DEFAULT_READER = "headkit"

@@ -27,6 +27,7 @@ class Registry(Generic[T]):
         self.field = field
         self._items: dict[str, T] = {}
         self._lazy: dict[str, str] = {}
+        self._order: dict[str, None] = {}  # every name, in the order it was registered
 
     def register(self, name: str, item: T | None = None, *, overwrite: bool = False):
         """Register ``item`` under ``name``; usable as a decorator when ``item`` is omitted."""
@@ -36,6 +37,7 @@ class Registry(Generic[T]):
         def _add(obj: T) -> T:
             self._lazy.pop(key, None)
             self._items[key] = obj
+            self._order.setdefault(key)
             return obj
 
         return _add(item) if item is not None else _add
@@ -51,6 +53,7 @@ class Registry(Generic[T]):
             )
         self._items.pop(key, None)
         self._lazy[key] = target
+        self._order.setdefault(key)
 
     def _new_key(self, name: object, overwrite: bool) -> str:
         if not isinstance(name, str) or not name.strip():
@@ -73,6 +76,7 @@ class Registry(Generic[T]):
         """Unregister ``name`` and return what was registered (ConfigError if unknown)."""
         item = self.get(name)
         del self._items[name.lower()]
+        del self._order[name.lower()]
         return item
 
     def get(self, name: str) -> T:
@@ -99,6 +103,10 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted({*self._items, *self._lazy})
+
+    def in_order(self) -> list[str]:
+        """The names in the order they were registered (built-in ones first)."""
+        return list(self._order)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

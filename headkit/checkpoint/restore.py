@@ -45,7 +45,7 @@ from .paths import HUB_KWARGS, check_inside, check_tree_inside, is_checkpoint, r
 from .sizes import backbone_width, check_sizes
 
 if TYPE_CHECKING:
-    from ..model.headed import HeadedModel
+    from .contract import CheckpointModel
 
 #: How many times (at most), and for how long, a load starts again when other processes'
 #: saves keep replacing what it reads: a load on a busy machine can span several quick saves.
@@ -167,7 +167,7 @@ def _config_json(ckpt: Checkpoint) -> Path | None:
 
 def restore(
     checkpoint: str | os.PathLike | Checkpoint,
-    model: HeadedModel | None = None,
+    model: CheckpointModel | None = None,
     *,
     model_cls: type | None = None,
     freeze_base_model: bool = True,
@@ -176,7 +176,7 @@ def restore(
     device_map: Any = None,
     model_class: type | None = None,
     **from_pretrained_kwargs: Any,
-) -> HeadedModel:
+) -> CheckpointModel:
     """Restore a HeadedModel from a checkpoint: build one (``model=None``, with ``model_cls``)
     or load into ``model`` in place. The loading keywords apply only when building;
     ``model_class`` (a transformers class) must match the backbone's family; a format whose
@@ -210,7 +210,7 @@ def restore(
 
 def _restore(
     ckpt: Checkpoint,
-    model: HeadedModel | None,
+    model: CheckpointModel | None,
     from_pretrained_kwargs: dict[str, Any],
     *,
     model_cls: type | None,
@@ -219,7 +219,7 @@ def _restore(
     torch_dtype: Any,
     device_map: Any,
     model_class: type | None,
-) -> HeadedModel:
+) -> CheckpointModel:
     backbone_done = False
     if model is None:
         if model_cls is None:
@@ -244,7 +244,7 @@ def _restore(
     return model
 
 
-def set_weighting(model: HeadedModel, ckpt: Checkpoint) -> None:
+def set_weighting(model: CheckpointModel, ckpt: Checkpoint) -> None:
     """Give ``model`` the loss weighting scheme the checkpoint was saved with."""
     weighting = ckpt.weighting
     name = weighting.pop("name", "fixed")
@@ -256,7 +256,7 @@ def set_weighting(model: HeadedModel, ckpt: Checkpoint) -> None:
         ) from None
 
 
-def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = True) -> None:
+def apply_checkpoint(model: CheckpointModel, ckpt: Checkpoint, *, backbone: bool = True) -> None:
     """Load the checkpoint's state into ``model`` in place (heads, weighting, settings, and the
     saved backbone when ``backbone``); the model must have the checkpoint's heads and scheme."""
     where = str(ckpt.root)
@@ -310,10 +310,10 @@ class HeadkitFormat:
         load_adapter(base_model_of(backbone), ckpt, trainable=trainable)
         return backbone, source
 
-    def head_tensors(self, ckpt: Checkpoint, model: HeadedModel) -> dict[str, torch.Tensor]:
+    def head_tensors(self, ckpt: Checkpoint, model: CheckpointModel) -> dict[str, torch.Tensor]:
         return ckpt.head_state
 
-    def load_backbone_into(self, ckpt: Checkpoint, model: HeadedModel) -> None:
+    def load_backbone_into(self, ckpt: Checkpoint, model: CheckpointModel) -> None:
         folder = ckpt.saved_backbone
         if folder is not None:
             load_backbone_state(model.backbone, folder)
@@ -349,7 +349,7 @@ def _check_class(ckpt: Checkpoint, model_class: type | None) -> None:
     check_model_class(model_class, model_type, ckpt.root, recorded)
 
 
-def _check_fingerprint(model: HeadedModel, recorded: Any) -> None:
+def _check_fingerprint(model: CheckpointModel, recorded: Any) -> None:
     """Warn when a referenced backbone differs from the one the heads were saved with."""
     source = getattr(model, "source", None)
     if not isinstance(recorded, str) or not recorded or source is None:
@@ -459,7 +459,7 @@ def read_head_weights(checkpoint_dir: str | os.PathLike, manifest: dict) -> dict
     return _load_safetensors(path, "weights file")
 
 
-def load_head_weights(model: HeadedModel, state: dict[str, torch.Tensor], where: str) -> None:
+def load_head_weights(model: CheckpointModel, state: dict[str, torch.Tensor], where: str) -> None:
     """Copy ``state`` into the model's heads, raising CheckpointError on any mismatch."""
     own = model.head_state_dict()
     missing = sorted(set(own) - set(state))

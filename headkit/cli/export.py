@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument(
         "--format",
-        choices=EXPORTERS.names(),
+        choices=EXPORTERS.in_order(),
         default="onnx",
         help="an export format registered in headkit.EXPORTERS (default onnx)",
     )
