@@ -28,7 +28,7 @@ _LAZY: dict[str, str] = {
     "Head": "heads.base",
     "HeadConfig": "config",
     "HeadedCollator": "data.collator",
-    "HeadedGenerateOutput": "model.generation",
+    "HeadedGenerateOutput": "generation.generate",
     "HeadedModel": "model.headed",
     "HeadedModelOutput": "model.headed",
     "HeadedTrainer": "integrations.trainer",
@@ -56,7 +56,7 @@ _LAZY: dict[str, str] = {
     "predict_on_features": "features",
     "print_trainable_parameters": "compat.helpers",
     "probe_layers": "probe.sweep",
-    "shard": "model.sharding",
+    "shard": "distributed.sharding",
     "to_sentence_transformer": "integrations.sentence_transformers",
     "train_heads_on_features": "features",
 }
@@ -118,6 +118,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names
     from .config import HeadConfig as HeadConfig
     from .data.collator import HeadedCollator as HeadedCollator
     from .deploy import export as export
+    from .distributed.sharding import shard as shard
     from .errors import BatchError as BatchError
     from .errors import CheckpointError as CheckpointError
     from .errors import ConfigError as ConfigError
@@ -128,6 +129,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names
     from .features import predict_on_features as predict_on_features
     from .features import train_heads_on_features as train_heads_on_features
     from .formats import EXPORTERS as EXPORTERS
+    from .generation.generate import HeadedGenerateOutput as HeadedGenerateOutput
     from .heads.activations import ACTIVATIONS as ACTIVATIONS
     from .heads.base import HEADS as HEADS
     from .heads.base import Head as Head
@@ -147,10 +149,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names
     from .losses.weighting import LossWeighting as LossWeighting
     from .metrics import HeadwiseMetrics as HeadwiseMetrics
     from .metrics import evaluate_head_wise as evaluate_head_wise
-    from .model.generation import HeadedGenerateOutput as HeadedGenerateOutput
     from .model.headed import HeadedModel as HeadedModel
     from .model.headed import HeadedModelOutput as HeadedModelOutput
-    from .model.sharding import shard as shard
     from .probe.results import ProbeResults as ProbeResults
     from .probe.results import ProbeRow as ProbeRow
     from .probe.sweep import parse_layers as parse_layers

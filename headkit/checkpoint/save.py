@@ -28,7 +28,6 @@ from ..backbone.tying import tied_head_weights
 from ..errors import CheckpointError, ConfigError
 from ..losses.weighting import savable_config
 from .adapters import quantization_entry, write_adapter
-from .borrow import commit_backbone_folder, foreign_owner, link_backbone, new_backbone_folder
 from .card import write_card
 from .journal import PendingSave, recover
 from .lock import folder_lock
@@ -43,6 +42,12 @@ from .manifest import (
     sha256_file,
 )
 from .paths import read_raw
+from .shared_backbone import (
+    commit_backbone_folder,
+    foreign_owner,
+    link_backbone,
+    new_backbone_folder,
+)
 
 if TYPE_CHECKING:
     from .contract import CheckpointModel

@@ -25,13 +25,13 @@ from transformers.utils import ModelOutput
 
 from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
+from ..model.head_inputs import layer_index
 from .budget import check_generation_size, prompt_shape
-from .reading import layer_index
 from .recording import Recorder, stitch, until_eos
 from .seq2seq import Seq2SeqDriver
 
 if TYPE_CHECKING:
-    from .headed import HeadedModel
+    from ..model.headed import HeadedModel
 
 #: Decoding modes whose rows stay in place from step to step (beams reorder them).
 _ROW_STABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)

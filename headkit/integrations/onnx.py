@@ -9,7 +9,7 @@
 - the backbone cut after the deepest hooked block: the graph holds a copy of the backbone whose
   block list stops there (``cut_backbone``), so the blocks after it are not in the file. Head
   inputs come from the same input stage (``prepare_inputs``: positions from the mask, so
-  either padding side works), hooked states and ``reading.head_inputs`` as ``forward``;
+  either padding side works), hooked states and ``model/head_inputs.head_inputs`` as ``forward``;
 - the JSON says what each output is (layer, pooling, activation, loss, classes), which
   exporter ran, and how the export was verified.
 
@@ -42,8 +42,8 @@ from ..backbone.inspection import BackboneInfo
 from ..checkpoint.card import head_summary
 from ..errors import ConfigError, HeadkitError
 from ..heads.base import HeadDict
+from ..model.head_inputs import head_inputs
 from ..model.headed import HeadedModel
-from ..model.reading import head_inputs
 from .exporting import (
     check_heads,
     export_folder,
@@ -112,8 +112,8 @@ def cut_backbone(backbone: nn.Module, info: BackboneInfo, blocks: int) -> tuple[
 
 class ExportGraph(nn.Module):
     """What the ONNX graph computes: the input stage and the (cut) backbone, the hooked
-    states, each head's input (``reading.head_inputs``, as ``forward``) and head. Traceable:
-    no input checks, no early-exit exception (the cut stands for it)."""
+    states, each head's input (``model/head_inputs.head_inputs``, as ``forward``) and head.
+    Traceable: no input checks, no early-exit exception (the cut stands for it)."""
 
     def __init__(self, model: HeadedModel, names: list[str]) -> None:
         super().__init__()

@@ -32,8 +32,8 @@ from ..checkpoint.adapters import require_quantization_support
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
 from ..loading import load_headed
+from ..model.head_inputs import reached_blocks
 from ..model.headed import HeadedModel
-from ..model.reading import reached_blocks
 
 DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.05}
 

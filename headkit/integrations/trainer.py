@@ -19,7 +19,7 @@ The vanilla ``transformers.Trainer`` works with a HeadedModel and ``HeadedCollat
   optimizer leaves it untouched); under DDP that needs ``find_unused_parameters=True``, the
   default Trainer picks for a HeadedModel. With ``ddp_find_unused_parameters=False`` such
   heads join the loss with an exact zero instead, and HeadedTrainer drops those zero
-  gradients before the optimizer step (see ``parallel.py``).
+  gradients before the optimizer step (see ``distributed/parallel.py``).
 
 What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds:
 
@@ -57,11 +57,11 @@ from transformers import Trainer, TrainerCallback
 from ..checkpoint import MANIFEST, restore
 from ..checkpoint.card import refresh_card
 from ..data.collator import HeadedCollator
+from ..distributed.parallel import drop_idle_gradients, join_idle
+from ..distributed.sharding import is_sharded, plain_parameters
 from ..errors import ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
 from ..model.labels import loss_heads, route_labels, without_unused_labels
-from ..model.parallel import drop_idle_gradients, join_idle
-from ..model.sharding import is_sharded, plain_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from ..backbone.inputs import BackboneInputs
 from ..backbone.inspection import BackboneInfo
 from ..backbone.modalities import DECODER, default_pooling, image_token_ids, pool_over_mask
 from ..config import HeadConfig
+from ..distributed.placement import on_device_of
 from ..errors import BatchError, ConfigError
 from ..heads.base import Head
-from .placement import on_device_of
 
 #: What a head reads among the captured states: an index, or ``(DECODER, index)``.
 StateKey = int | tuple[str, int]

@@ -38,17 +38,16 @@ from ..backbone.sources import BackboneSource, transformers_model_of
 from ..backbone.tying import init_lm_head, tied_head_weights
 from ..checkpoint import restore, save_checkpoint
 from ..config import HeadConfig
+from ..distributed.parallel import freeze_unreached, inside_strict_ddp, join_idle
+from ..distributed.placement import head_devices, loss_device
+from ..distributed.sharding import is_sharded, save_sharded
 from ..errors import BatchError, CheckpointError, ConfigError
+from ..generation.generate import HeadedGenerationMixin
 from ..heads.base import HeadDict, build_head, get_submodule_by_name
 from ..losses.objective import head_loss, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
-from .conveniences import PreTrainedConveniences, hide_head_dicts_from_trainer
-from .generation import HeadedGenerationMixin
 from .guards import NonFiniteGuard, ValueChecks
-from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
-from .parallel import freeze_unreached, inside_strict_ddp, join_idle
-from .placement import head_devices, loss_device
-from .reading import (
+from .head_inputs import (
     StateKey,
     head_inputs,
     head_masks,
@@ -57,7 +56,8 @@ from .reading import (
     resolve_config,
     state_key,
 )
-from .sharding import is_sharded, save_sharded
+from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
+from .pretrained import PreTrainedConveniences, hide_head_dicts_from_trainer
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
 DEFAULT_MAX_HEAD_PARAMETERS = 2**31
@@ -293,7 +293,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
 
     def state_keys(self) -> dict[str, StateKey]:
         """Each head's captured state: its index, or ``("decoder", index)`` for heads on an
-        encoder–decoder model's decoder (``model/reading.py``)."""
+        encoder–decoder model's decoder (``model/head_inputs.py``)."""
         return dict(self._layer_of_head)
 
     def head_masks(self, inputs: Any) -> dict[str, torch.Tensor | None]:

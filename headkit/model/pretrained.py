@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed.parallel import drop_idle_gradients
 from ..errors import ConfigError
 from ..heads.base import Head
-from .parallel import drop_idle_gradients
 
 #: Output fields the vanilla Trainer must not gather as predictions (``logits`` carries them).
 TRAINER_IGNORED_OUTPUTS = ("loss_by_head", "adapted_loss_by_head", "preds_by_head")

@@ -32,10 +32,10 @@ from transformers import PreTrainedModel
 from ..backbone.sources import describe, load_model, load_tokenizer, tokenizer_source
 from ..config import HeadConfig
 from ..data.media import encode_media, input_kind, load_processor
+from ..distributed import ranks
 from ..errors import ConfigError
 from ..features import cache_features
 from ..features.shards import balanced_order
-from ..model import ranks
 from ..model.headed import HeadedModel
 from .data import (
     TASKS,
