@@ -147,3 +147,26 @@ def test_the_core_never_imports_the_compat_edge() -> None:
                     (file.name, n) for n in names if "compat" in n or "transformer_heads" in n
                 ]
     assert found == []
+
+
+def test_a_lazy_entry_is_named_module_colon_attribute() -> None:
+    reg: Registry = Registry("thing", "kind")
+    with pytest.raises(ConfigError, match="a lazy thing is named as 'module:attribute'") as e:
+        reg.register_lazy("dumps", "json.dumps")
+    assert (e.value.field, e.value.value) == ("kind", "json.dumps")
+
+
+def test_built_in_exporters_refuse_what_they_cannot_write(tmp_path: Path) -> None:
+    two = HeadedModel(
+        build_tiny("bert", num_layers=2),
+        [HeadConfig(n, num_outputs=2, pred_for_sequence=True) for n in ("a", "b")],
+    )
+    with pytest.raises(ConfigError, match="head=None is ambiguous for a model with heads") as e:
+        headkit.export(two, tmp_path / "st", format="sentence-transformers")
+    assert e.value.field == "head"
+    with pytest.raises(ConfigError, match="a SentenceTransformer needs the tokenizer") as e:
+        headkit.export(two, tmp_path / "st", format="sentence-transformers", head="a")
+    assert e.value.field == "tokenizer"
+    with pytest.raises(ConfigError, match="format='hub' needs repo_id=") as e:
+        headkit.export(two, tmp_path / "hub", format="hub")
+    assert e.value.field == "repo_id"
