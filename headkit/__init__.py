@@ -87,7 +87,7 @@ def _register_edges() -> None:
         "sentence-transformers",
         "headkit.integrations.sentence_transformers:export_sentence_transformer",
     )
-    EXPORTERS.register_lazy("hub", "headkit.model.hub:export_to_hub")
+    EXPORTERS.register_lazy("hub", "headkit.checkpoint.hub:export_to_hub")
 
 
 _register_edges()

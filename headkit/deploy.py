@@ -7,7 +7,7 @@ graph of every head for onnxruntime (``integrations/onnx.py``); ``"transformers"
 as a plain transformers classifier folder, where such a class computes it exactly
 (``integrations/hf_classifiers.py``); ``"sentence-transformers"``, one sequence head as a
 saved SentenceTransformer (``integrations/sentence_transformers.py``); ``"hub"``, the
-checkpoint staged in ``output_dir`` and pushed to ``repo_id`` (``model/hub.py``). The module
+checkpoint staged in ``output_dir`` and pushed to ``repo_id`` (``checkpoint/hub.py``). The module
 is not named ``export.py``: importing ``headkit.export`` would then shadow the function.
 """
 

@@ -197,8 +197,8 @@ class PreTrainedConveniences:
 
     def push_to_hub(self, repo_id: str, **options: Any) -> Any:
         """Save to a staged folder with its model card and upload it to hub repo ``repo_id``;
-        ``dry_run=True`` only stages it (options and refusals: ``headkit.model.hub``)."""
-        from .hub import push_to_hub
+        ``dry_run=True`` only stages it (options and refusals: ``headkit.checkpoint.hub``)."""
+        from ..checkpoint.hub import push_to_hub
 
         return push_to_hub(self, repo_id, **{"model_cls": type(self), **options})
 
