@@ -17,7 +17,7 @@ from ..model.headed import HeadedModel
 CLI_SETTINGS = "headkit_cli.json"
 
 
-def save_checkpoint(
+def save_trained(
     model: HeadedModel, tokenizer: Any, out: str | Path, settings: dict[str, Any]
 ) -> Path:
     """Write the model's checkpoint, its tokenizer and the CLI settings to ``out`` (a new or
