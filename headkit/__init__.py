@@ -50,7 +50,7 @@ _LAZY: dict[str, str] = {
     "get_model_params": "compat.helpers",
     "get_top_n_preds": "compat.helpers",
     "load_headed": "compat.calls",
-    "load_lora_with_heads": "integrations.peft",
+    "load_lora_with_heads": "compat.calls",
     "merge_and_unload": "integrations.peft",
     "parse_layers": "probe.sweep",
     "predict_on_features": "features",
@@ -112,6 +112,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names, re-exported)
     from .compat.calls import create_headed_qlora as create_headed_qlora
     from .compat.calls import load_headed as load_headed
+    from .compat.calls import load_lora_with_heads as load_lora_with_heads
     from .compat.helpers import get_model_params as get_model_params
     from .compat.helpers import get_top_n_preds as get_top_n_preds
     from .compat.helpers import print_trainable_parameters as print_trainable_parameters
@@ -137,7 +138,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names
     from .heads.pooling import POOLINGS as POOLINGS
     from .heads.pooling import PoolingStrategy as PoolingStrategy
     from .heads.pooling import SequencePooling as SequencePooling
-    from .integrations.peft import load_lora_with_heads as load_lora_with_heads
     from .integrations.peft import merge_and_unload as merge_and_unload
     from .integrations.sentence_transformers import (
         to_sentence_transformer as to_sentence_transformer,

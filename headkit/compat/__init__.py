@@ -11,9 +11,8 @@ loaders; ``checkpoint.py`` reads its saves as a registered checkpoint format
 """
 
 from ..config import HeadConfig
-from ..integrations.peft import load_lora_with_heads
 from ..model.headed import HeadedModel, HeadedModelOutput
-from .calls import create_headed_qlora, load_headed
+from .calls import create_headed_qlora, load_headed, load_lora_with_heads
 from .helpers import (
     DataCollatorWithPadding,
     HeadedModelGenerateOutput,

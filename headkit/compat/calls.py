@@ -7,8 +7,8 @@ names (``base_model_class=``, ``model_name=``). Here those calls are bound to ke
 passed to headkit's loaders (``headkit.loading.load_headed``,
 ``headkit.integrations.peft.create_headed_qlora``), which know no other library. A call
 without a model class first keeps headkit's order (``HEADKIT_ORDER``, ``QLORA_ORDER``).
-``headkit.load_headed`` and ``headkit.create_headed_qlora`` are these adapters, so both call
-forms work from ``headkit`` and from ``headkit.compat``.
+``headkit.load_headed``, ``headkit.create_headed_qlora`` and ``headkit.load_lora_with_heads``
+are these adapters, so both call forms work from ``headkit`` and from ``headkit.compat``.
 """
 
 from __future__ import annotations
@@ -200,6 +200,34 @@ def create_headed_qlora(
     return _peft.create_headed_qlora(
         path, model_class=model_class, train_lm_head=train_lm_head, **o, **kwargs
     )
+
+
+def load_lora_with_heads(
+    base_model_class_or_path: type | str | os.PathLike | None = None,
+    path: str | os.PathLike | None = None,
+    *args: Any,
+    base_model_class: type | None = None,
+    **kwargs: Any,
+) -> HeadedModel:
+    """headkit's ``load_lora_with_heads`` (``integrations/peft.py``) in either call form:
+    ``load_lora_with_heads(path, ...)`` or, as in transformer-heads (same positional order),
+    ``load_lora_with_heads(LlamaForCausalLM, path, ...)`` / ``base_model_class=``; the class
+    loads a transformer-heads checkpoint's backbone and must match a headkit checkpoint's."""
+    first = _one_of(base_model_class, base_model_class_or_path, "base_model_class")
+    model_class = None
+    if isinstance(first, type):
+        _peft._check_source(first, path, "load_lora_with_heads")
+        model_class = first
+    elif path is not None:
+        raise ConfigError(
+            f"load_lora_with_heads({str(first)!r}, {str(path)!r}): give the "
+            "checkpoint path once (a model class may come first)",
+            field="path",
+            value=path,
+        )
+    else:
+        path = first
+    return _peft.load_lora_with_heads(path, *args, model_class=model_class, **kwargs)
 
 
 def bind_positional(

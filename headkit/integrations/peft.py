@@ -119,12 +119,6 @@ def create_headed_qlora(
     return model
 
 
-def _one_of(name: Any, alias: Any, what: str) -> Any:
-    if name is not None and alias is not None:
-        raise TypeError(f"{what} given twice (by its name and by the older one)")
-    return name if name is not None else alias
-
-
 def add_lora(model: HeadedModel, lora_config: Any, adapter_name: str = "default") -> HeadedModel:
     """Inject LoRA adapters into ``model.backbone`` in place (the base stays as frozen as it
     was; the adapters train); ``lora_config.target_modules`` name backbone modules."""
@@ -191,8 +185,7 @@ def enable_gradient_checkpointing(model: HeadedModel) -> None:
 
 
 def load_lora_with_heads(
-    base_model_class_or_path: type | str | os.PathLike | None = None,
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike,
     quantization_config: Any = None,
     only_inference: bool = False,
     fully_trained_heads: bool = True,
@@ -200,33 +193,21 @@ def load_lora_with_heads(
     torch_dtype: Any = None,
     gradient_checkpointing: bool = False,
     *,
-    base_model_class: type | None = None,
+    model_class: type | None = None,
     **kwargs: Any,
 ) -> HeadedModel:
-    """Load a checkpoint saved from a LoRA model (headkit's, or transformer-heads' LoRA save):
-    the base backbone it references (4-bit again if it was; ``quantization_config``
-    overrides, ``False`` loads it unquantised), its adapter and heads, with the same
-    predictions. ``load_lora_with_heads(path)`` or, as in transformer-heads (same positional
-    order), ``load_lora_with_heads(LlamaForCausalLM, path)``: the class must match the
-    checkpoint's backbone (``GPT2Model`` for a Llama checkpoint is a ConfigError); headkit
-    checkpoints load their backbone as recorded, transformer-heads' with that class.
+    """Load a checkpoint saved from a LoRA model (any registered format that holds an
+    adapter): the base backbone it references (4-bit again if it was;
+    ``quantization_config`` overrides, ``False`` loads it unquantised), its adapter and heads,
+    with the same predictions. ``model_class`` (a transformers class) must match the
+    checkpoint's backbone (``GPT2Model`` for a Llama checkpoint is a ConfigError); a format
+    that records no class loads its backbone with it. ``headkit.load_lora_with_heads`` also
+    accepts a model class first (``headkit/compat/calls.py``).
 
     ``only_inference=True``: every parameter frozen, eval mode. Otherwise the adapter trains,
     and the heads (their ``trainable`` ones) unless ``fully_trained_heads=False``. Defaults:
-    the checkpoint's dtype (transformer-heads' checkpoints: float32, its default) and device.
+    the checkpoint's dtype and device.
     """
-    first = _one_of(base_model_class, base_model_class_or_path, "base_model_class")
-    model_class = None
-    if isinstance(first, type):
-        _check_source(first, path, "load_lora_with_heads")
-        model_class = first
-    elif path is not None:
-        raise ConfigError(
-            f"load_lora_with_heads({str(first)!r}, {str(path)!r}): give the "
-            "checkpoint path once (a model class may come first)"
-        )
-    else:
-        path = first
     if path is None:
         raise TypeError("load_lora_with_heads() missing the checkpoint path")
     ckpt = read_checkpoint(path)
