@@ -175,7 +175,9 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         budget = self.max_head_parameters
         self.heads = HeadDict(
             {
-                n: build_head(c, pooler_size, pooler, budget).to(devices[n])
+                n: build_head(c, pooler_size, pooler, budget, self.info.special_tokens).to(
+                    devices[n]
+                )
                 for n, c in self.head_configs.items()
             }
         )
