@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from conftest import build_tiny
 from PIL import Image
 from tiny_media import RATE, image_processor, speech_feature_extractor, write_png, write_wav
