@@ -262,8 +262,13 @@ def check_vision_language(backbone: PreTrainedModel, batch: Mapping[str, Any]) -
     if isinstance(grid, torch.Tensor):
         _check_grid(config, model, grid, pixels, count)
         return
+    if pixels.dim() == 5:  # several images per example (Idefics3): all-zero ones are padding
+        images = int((pixels.flatten(2) != 0).any(-1).sum())
+        per_image = _merged_tokens_per_image(config, pixels)
+        _check_image_token_count(count, image_id, images, per_image)
+        return
     if pixels.dim() != 4:
-        return  # several images per example (Idefics3): the model checks its own layout
+        return
     images = pixels.shape[0]
     sizes = batch.get("image_sizes")
     if isinstance(sizes, torch.Tensor):
@@ -278,7 +283,10 @@ def check_vision_language(backbone: PreTrainedModel, batch: Mapping[str, Any]) -
                 f"pixel_values of shape {tuple(pixels.shape)}; allowed: one (height, width) "
                 f"per image, each within 1..{height} x 1..{width}"
             )
-    per_image = _tokens_per_image(config, pixels)
+    _check_image_token_count(count, image_id, images, _tokens_per_image(config, pixels))
+
+
+def _check_image_token_count(count: int, image_id: int, images: int, per_image: Any) -> None:
     if per_image is not None and count != images * per_image:
         raise BatchError(
             f"input_ids hold {count} image tokens (id {image_id}) but pixel_values hold "
@@ -286,6 +294,16 @@ def check_vision_language(backbone: PreTrainedModel, batch: Mapping[str, Any]) -
             "allowed: as many image tokens as patches (the model's processor expands each "
             "image's token)"
         )
+
+
+def _merged_tokens_per_image(config: Any, pixels: torch.Tensor) -> int | None:
+    """Image tokens an Idefics3-style model puts in for one image: its patches merged
+    ``scale_factor``² to a token (the pixel shuffle)."""
+    patch = getattr(getattr(config, "vision_config", None), "patch_size", None)
+    scale = getattr(config, "scale_factor", None)
+    if not isinstance(patch, int) or not isinstance(scale, int) or scale < 1:
+        return None
+    return (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch) // scale**2
 
 
 def _tokens_per_image(config: Any, pixels: torch.Tensor) -> int | None:

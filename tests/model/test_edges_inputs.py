@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import IMAGE_SIZE, IMAGE_TOKEN, MEL_BINS, MEL_FRAMES, build_tiny
+from conftest import (
+    IDEFICS3_IMAGE_TOKENS,
+    IMAGE_SIZE,
+    IMAGE_TOKEN,
+    MEL_BINS,
+    MEL_FRAMES,
+    build_tiny,
+)
 
 from headkit import BatchError, HeadConfig, HeadedModel
 
@@ -141,3 +148,20 @@ def test_qwen2_vl_image_grid_must_describe_the_pixels_and_the_tokens():
         qwen(**{**batch, "input_ids": fewer, "mm_token_type_ids": (fewer == 96).long()})
     with pytest.raises(BatchError, match=r"^image_grid_thw of shape \(1, 2\); expected one"):
         qwen(**{**batch, "image_grid_thw": torch.tensor([[4, 4]])})
+
+
+def test_idefics3_image_tokens_must_be_the_real_images_merged_patches():
+    """Idefics3 takes (batch, images, channels, height, width); all-zero images are padding."""
+    idefics = HeadedModel(build_tiny("idefics3", 2), [SEQ])
+    image = torch.full((2, IDEFICS3_IMAGE_TOKENS), IMAGE_TOKEN)
+    ids = torch.cat([torch.ones(2, 1, dtype=torch.long), image, torch.randint(4, 40, (2, 4))], 1)
+    pixels = torch.randn(2, 1, 3, IMAGE_SIZE, IMAGE_SIZE)
+    idefics(input_ids=ids, pixel_values=pixels)
+    padded = torch.cat([pixels, torch.zeros_like(pixels)], 1)  # a padding image per prompt
+    idefics(input_ids=ids, pixel_values=padded)
+    with pytest.raises(
+        BatchError,
+        match=rf"^input_ids hold {2 * IDEFICS3_IMAGE_TOKENS} image tokens \(id {IMAGE_TOKEN}\) but "
+        rf"pixel_values hold 1 image\(s\) of {IDEFICS3_IMAGE_TOKENS} patches each",
+    ):
+        idefics(input_ids=ids, pixel_values=torch.cat([pixels[:1], torch.zeros_like(pixels[:1])]))
