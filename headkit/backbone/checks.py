@@ -210,6 +210,9 @@ def _check_audio_length(backbone: PreTrainedModel, value: torch.Tensor, mask: An
     lengths = [value.shape[1]]
     if isinstance(mask, torch.Tensor) and mask.device.type != "meta":
         lengths = mask.long().sum(-1).tolist()
+    frames = num_frames(backbone, min(lengths))
+    if frames is None or frames >= 1:  # the shortest clip makes a frame: all do
+        return
     least = min_samples(backbone)
     short = [i for i, n in enumerate(lengths) if least is not None and n < least]
     if short:

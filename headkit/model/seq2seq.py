@@ -18,7 +18,6 @@ import torch
 from transformers.modeling_outputs import Seq2SeqLMOutput
 
 from ..backbone.inputs import BackboneInputs, prepare_decoder_inputs, prepare_inputs, run_stage
-from .reading import mask_of
 
 if TYPE_CHECKING:
     from .headed import HeadedModel
@@ -36,9 +35,7 @@ def encoder_head_outputs(
         headed.backbone, headed.info, inputs, set(heads.values()), early_exit=False
     )
     masks = headed.head_masks(inputs)
-    outputs = {
-        name: headed.heads[name](captured[key], mask_of(masks, name)) for name, key in heads.items()
-    }
+    outputs = {name: headed.heads[name](captured[key], masks[name]) for name, key in heads.items()}
     return outputs, encoder_outputs
 
 
