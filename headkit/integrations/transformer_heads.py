@@ -197,7 +197,7 @@ def compare_all_params(model1: torch.nn.Module, model2: torch.nn.Module) -> list
         elif param1.dtype != param2.dtype:
             lines.append(f"dtype mismatch {name1} {param1.dtype} {param2.dtype}")
         elif not torch.allclose(param1, param2.to(param1.device)):
-            diff = (param1 - param2.to(param1.device)).abs()
+            diff = (param1.detach() - param2.detach().to(param1.device)).abs()
             lines.append(
                 f"values not even close {name1} (mean diff {float(diff.mean())}, max diff "
                 f"{float(diff.max())})"
