@@ -286,7 +286,8 @@ def check_vision_language(backbone: PreTrainedModel, batch: Mapping[str, Any]) -
                 f"pixel_values of shape {tuple(pixels.shape)}; allowed: one (height, width) "
                 f"per image, each within 1..{height} x 1..{width}"
             )
-    _check_image_token_count(count, image_id, images, _tokens_per_image(config, pixels))
+    if sizes is None:  # images of their own sizes (Pixtral) are split in patches of their own
+        _check_image_token_count(count, image_id, images, _tokens_per_image(config, pixels))
 
 
 def _check_image_token_count(count: int, image_id: int, images: int, per_image: Any) -> None:
@@ -311,11 +312,15 @@ def _merged_tokens_per_image(config: Any, pixels: torch.Tensor) -> int | None:
 
 def _tokens_per_image(config: Any, pixels: torch.Tensor) -> int | None:
     """Image tokens a Llava-style model puts in for one image of ``pixels``' size: its vision
-    tower's patches (+ the CLS token with ``vision_feature_select_strategy="full"``)."""
+    tower's patches (+ the CLS token with ``vision_feature_select_strategy="full"``), for
+    images of the tower's ``image_size`` (None where that is not known)."""
     vision = getattr(config, "vision_config", None)
     patch = getattr(vision, "patch_size", None)
+    size = getattr(vision, "image_size", None)
     strategy = getattr(config, "vision_feature_select_strategy", None)
     if not isinstance(patch, int) or strategy not in ("default", "full"):
+        return None
+    if tuple(pixels.shape[-2:]) != (size, size):  # only the vision tower's own image size
         return None
     patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
     return patches + (strategy == "full")
