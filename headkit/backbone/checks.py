@@ -16,9 +16,6 @@ from ..errors import BatchError
 from .inspection import BackboneInfo
 from .modalities import image_token_ids, num_frames
 
-#: Floating inputs whose values are checked to be finite (besides ``inputs_embeds``).
-FLOAT_INPUTS = ("pixel_values", "pixel_values_videos", "input_values", "input_features")
-
 
 def _int_ids(name: str, value: Any, shape: tuple[int, ...] | None) -> None:
     """``value`` must be an integer (not bool) tensor; of ``shape`` when given."""
@@ -45,8 +42,8 @@ def check_finite(name: str, value: torch.Tensor) -> None:
     finite = torch.isfinite(value)
     if bool(finite.all()):  # one read for the common case
         return
-    row = int((~finite).reshape(value.shape[0], -1).any(-1).nonzero()[0, 0]) if value.dim() else 0
-    bad = value[row][~finite[row]][0].item() if value.dim() else value.item()
+    row = int((~finite).reshape(value.shape[0], -1).any(-1).nonzero()[0, 0])
+    bad = value[row][~finite[row]][0].item()
     raise BatchError(
         f"{name} row {row} holds {bad}; allowed: finite values (check the processor's output "
         "and the data it read)"
@@ -177,11 +174,14 @@ def check_signal(
             "(image_size), or pass interpolate_pos_encoding=True"
         )
     patch = getattr(config, "patch_size", None) if name == "pixel_values" else None
-    patch_hw = tuple(patch) if isinstance(patch, (list, tuple)) else (patch, patch)
-    if isinstance(patch, int) and any(n < p for n, p in zip(value.shape[2:], patch_hw)):
+    patch_hw = (patch, patch) if isinstance(patch, int) else patch
+    if isinstance(patch_hw, (list, tuple)) and any(
+        n < p for n, p in zip(value.shape[2:], patch_hw)
+    ):
         raise BatchError(
             f"pixel_values of {tuple(value.shape[2:])} pixels are smaller than one patch of "
-            f"{model} (patch_size={patch}); allowed: images of at least {patch}x{patch} pixels"
+            f"{model} (patch_size={patch}); allowed: images of at least "
+            f"{patch_hw[0]}x{patch_hw[1]} pixels"
         )
     if name == "input_values":
         _check_mask(attention_mask, tuple(value.shape), 0, "attention_mask")
