@@ -165,3 +165,14 @@ def test_idefics3_image_tokens_must_be_the_real_images_merged_patches():
         rf"pixel_values hold 1 image\(s\) of {IDEFICS3_IMAGE_TOKENS} patches each",
     ):
         idefics(input_ids=ids, pixel_values=torch.cat([pixels[:1], torch.zeros_like(pixels[:1])]))
+
+
+def test_finite_values_whose_sum_overflows_are_accepted():
+    """The check sums first (one pass) and only looks closer when the sum is not finite."""
+    from headkit.backbone.checks import check_finite
+
+    big = torch.full((2, 4), 3e38)  # each finite, their sum is not
+    check_finite("inputs_embeds", big)
+    big[1, 2] = float("-inf")
+    with pytest.raises(BatchError, match=r"^inputs_embeds row 1 holds -inf"):
+        check_finite("inputs_embeds", big)
