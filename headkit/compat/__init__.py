@@ -24,6 +24,7 @@ from .helpers import (
     get_top_n_preds,
     load_tokenizer,
     print_trainable_parameters,
+    th_parameter_names,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "load_lora_with_heads",
     "load_tokenizer",
     "print_trainable_parameters",
+    "th_parameter_names",
 ]
