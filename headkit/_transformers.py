@@ -64,7 +64,13 @@ logging = transformers.logging
 
 #: The private ``Trainer`` methods ``HeadedTrainer`` overrides (its checkpoint format);
 #: the tests check that the installed Trainer still calls each by this name.
-TRAINER_OVERRIDES = ("_save", "_save_checkpoint", "_load_from_checkpoint", "_load_best_model")
+TRAINER_OVERRIDES = (
+    "_save",
+    "_save_checkpoint",
+    "_load_from_checkpoint",
+    "_load_best_model",
+    "_set_signature_columns_if_needed",
+)
 
 #: The name of the KV cache's field in model outputs: ``cache`` (transformers >= 5.24, which
 #: keeps ``past_key_values`` as a deprecated alias) or ``past_key_values`` (older).

