@@ -18,13 +18,37 @@ from .errors import ConfigError
 FORMATS = ("onnx", "transformers")
 
 
-def export(model: Any, directory: str | os.PathLike, format: str = "onnx", **options: Any) -> Any:
+def export(
+    model: Any,
+    directory: str | os.PathLike,
+    format: str = "onnx",
+    *,
+    overwrite: bool = False,
+    **options: Any,
+) -> Any:
     """Export ``model`` (a HeadedModel, or a checkpoint folder: its tokenizer, if saved there,
     goes along) to ``directory``; returns what was written (``OnnxExport`` or
-    ``TransformersExport``). ``options`` are those of ``export_onnx`` / ``export_transformers``
-    (``tokenizer``, ``heads`` / ``head``, ``atol``, ...)."""
-    if format not in FORMATS:
-        raise ConfigError(f"format={format!r} is invalid; allowed: {', '.join(FORMATS)}")
+    ``TransformersExport``). ``directory`` must be new, empty, or an earlier export of the same
+    format, replaced only with ``overwrite=True`` (as ``headkit export --overwrite``); only the
+    files headkit can prove it wrote there are replaced. ``options`` are those of
+    ``export_onnx`` / ``export_transformers`` (``tokenizer``, ``heads`` / ``head``, ``atol``,
+    ...), checked before anything is loaded or built."""
+    if not isinstance(format, str) or format not in FORMATS:
+        raise ConfigError(f"format={str(format)[:80]!r} is invalid; allowed: {', '.join(FORMATS)}")
+    from .integrations.exporting import check_atol, check_export_target
+
+    if format == "onnx":
+        from .integrations.onnx import SIDECAR, check_onnx_options
+
+        check_onnx_options(
+            options.get("opset"), options.get("atol", 1e-4), options.get("exporter", "auto")
+        )
+    else:
+        from .integrations.hf_classifiers import SIDECAR
+
+        check_atol(options.get("atol", 1e-4))
+    check_export_target(Path(directory), SIDECAR, overwrite, f"{format} export")
+    options["overwrite"] = overwrite
     if isinstance(model, (str, os.PathLike)):
         model, tokenizer = _open(Path(model))
         options.setdefault("tokenizer", tokenizer)
