@@ -49,8 +49,8 @@ from .adapters import (
     _load_state,
     _read_config,
 )
-from .manifest import MAX_MANIFEST_BYTES, PICKLE_SUFFIXES, check_head_count
-from .paths import MANIFEST
+from .manifest import MAX_MANIFEST_BYTES, PICKLE_SUFFIXES, check_head_count, short_repr
+from .paths import MANIFEST, MAX_NAME, check_inside, plain_name
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
@@ -291,9 +291,12 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
     layout = detect(root)
     if layout is None:
         return None
+    for name in (_CONFIG, MANIFEST, ADAPTER_CONFIG, _INDEX):
+        _check_contained(root, name, name)
     if layout == "full":
         fields = _json(root / _CONFIG)["output_heads"]
         tensors = _read_weights(root)
+        check_config_sizes(root, _json(root / _CONFIG), tensors)
     else:
         fields = list(_json(root / MANIFEST).values())
         tensors = {}
@@ -324,7 +327,7 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
             if k.startswith(f"heads.{cfg.name}.")
         }
         if not own:
-            own = _read_file(root / f"{cfg.name}.safetensors", "head weights")
+            own = _read_file(_contained(root, f"{cfg.name}.safetensors"), "head weights")
         state.update(_head_state(cfg, own, root))
     manifest = {
         "format": FORMAT,
@@ -340,7 +343,7 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
 
 def _head_config(fields: Any, root: Path) -> HeadConfig:
     if not isinstance(fields, dict):
-        raise CheckpointError(f"{str(root)!r}: a head config {fields!r:.80} is not an object")
+        raise CheckpointError(f"{str(root)!r}: a head config {short_repr(fields)} is not an object")
     data = dict(fields)
     if data.get("pred_for_sequence"):
         data.setdefault("pooling", "last")  # it read the last non-padding token
@@ -348,8 +351,14 @@ def _head_config(fields: Any, root: Path) -> HeadConfig:
         cfg = HeadConfig.from_dict(data, unknown="warn")
     except (ConfigError, TypeError, ValueError) as e:
         raise CheckpointError(
-            f"{str(root)!r}: invalid transformer-heads head config: {e}"
+            f"{str(root)!r}: invalid transformer-heads head config: {str(e)[:300]}"
         ) from None
+    if not plain_name(cfg.name) or cfg.name.startswith("."):
+        raise CheckpointError(
+            f"{str(root)!r}: head name {short_repr(cfg.name)} is invalid; a transformer-heads "
+            f"head is read from <name>.safetensors inside the folder: a plain file name (no "
+            f"'/', '\\', leading '.'; at most {MAX_NAME} bytes)"
+        )
     if cfg.name == _LM and cfg.num_layers != 1:
         raise CheckpointError(
             f"{str(root)!r}: head 'lm_head' has num_layers={cfg.num_layers}; transformer-heads "
@@ -361,14 +370,20 @@ def _head_config(fields: Any, root: Path) -> HeadConfig:
 def _head_state(cfg: HeadConfig, tensors: dict[str, torch.Tensor], root: Path) -> dict:
     """``lins.<i>.weight`` / ``.bias`` of one head → ``heads.<name>.<its i-th Linear>.*``."""
     n = cfg.num_layers
+    if not n <= len(tensors) <= 2 * n:  # before the names are listed: num_layers=10**6
+        raise CheckpointError(
+            f"{str(root)!r}: head {short_repr(cfg.name)} (num_layers={n}) needs {n} to {2 * n} "
+            f"tensors, the checkpoint holds {len(tensors)}: they do not match"
+        )
     expected = {f"lins.{i}.weight" for i in range(n)}
     expected |= {f"lins.{i}.bias" for i in range(n - 1)}
     if cfg.output_bias:
         expected.add(f"lins.{n - 1}.bias")
     if set(tensors) != expected:
         raise CheckpointError(
-            f"{str(root)!r}: head {cfg.name!r} (num_layers={n}, output_bias={cfg.output_bias}) "
-            f"needs tensors {sorted(expected)}, the checkpoint holds {sorted(tensors)[:8]}"
+            f"{str(root)!r}: head {short_repr(cfg.name)} (num_layers={n}, output_bias="
+            f"{cfg.output_bias}) needs tensors {short_repr(sorted(expected), 200)}, the "
+            f"checkpoint holds {short_repr(sorted(tensors), 200)}"
         )
     names = _linear_names(cfg, n, cfg.name)
     out = {}
@@ -403,7 +418,7 @@ def _prefix_of(adapter: dict[str, torch.Tensor]) -> str:
 
 
 def _read_adapter(root: Path) -> dict[str, torch.Tensor]:
-    file = root / ADAPTER_WEIGHTS
+    file = _contained(root, ADAPTER_WEIGHTS)
     if not file.is_file():
         _refuse_pickles(root, ADAPTER_WEIGHTS)
     state = _read_file(file, "adapter weights")
@@ -458,9 +473,9 @@ def _read_weights(root: Path) -> dict[str, torch.Tensor]:
             )
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(_read_file(root / f, "model weights"))
+            state.update(_read_file(_contained(root, f), "model weights"))
         return state
-    if not (root / _WEIGHTS).is_file():
+    if not _contained(root, _WEIGHTS).is_file():
         _refuse_pickles(root, _WEIGHTS)
     return _read_file(root / _WEIGHTS, "model weights")
 
@@ -472,9 +487,68 @@ def _refuse_pickles(root: Path, wanted: str) -> None:
 
 
 def _read_file(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; CheckpointError when it is missing, unreadable, or holds
+    a NaN or infinite value (named by its tensor)."""
     if not path.is_file():
         raise CheckpointError(f"{what} {str(path)!r} is missing")
     try:
-        return load_file(str(path))
+        state = load_file(str(path))
     except Exception as e:  # safetensors raises plain Exception subclasses
         raise CheckpointError(f"{what} {str(path)!r} cannot be read: {e}") from None
+    for key, value in state.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(
+                f"{what} {str(path)!r}: tensor {short_repr(key)} holds NaN or infinite values"
+            )
+    return state
+
+
+def _contained(root: Path, name: str) -> Path:
+    """``root/name``, refused when it resolves (through a symlink) outside ``root``."""
+    path = root / name
+    check_inside(path, root, f"{name!r} of the transformer-heads checkpoint")
+    return path
+
+
+def _check_contained(root: Path, name: str, what: str) -> None:
+    if os.path.lexists(root / name):
+        check_inside(root / name, root, f"{what!r} of the transformer-heads checkpoint")
+
+
+#: config.json keys that give a backbone's number of blocks, its width and its vocabulary.
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+_VOCAB_KEYS = ("vocab_size",)
+
+
+def check_config_sizes(root: Path, config: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a ``config.json`` whose sizes the weights cannot hold, before anything is built:
+    every block holds at least one tensor, and the embedding table ``vocab_size x width``
+    values (a ``n_layer=10**6`` config would otherwise build a million blocks)."""
+    if not isinstance(config, dict):
+        return
+    where = f"{str(root / _CONFIG)!r}"
+    layers = _size(config, _LAYER_KEYS)
+    if layers is not None and not 0 < layers[1] <= len(tensors):
+        raise CheckpointError(
+            f"{where}: {layers[0]}={short_repr(layers[1])} blocks, but {_WEIGHTS} holds "
+            f"{len(tensors)} tensors (each block needs at least one): they do not match; "
+            "nothing was built"
+        )
+    width, vocab = _size(config, _WIDTH_KEYS), _size(config, _VOCAB_KEYS)
+    have = sum(t.numel() for t in tensors.values())
+    if width and vocab and width[1] * vocab[1] > 2 * have + (1 << 20):
+        raise CheckpointError(
+            f"{where}: {vocab[0]}={short_repr(vocab[1])} x {width[0]}={short_repr(width[1])} "
+            f"needs {short_repr(width[1] * vocab[1])} values, but {_WEIGHTS} holds {have}: they "
+            "do not match; nothing was built"
+        )
+
+
+def _size(config: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int] | None:
+    """(key, value) of the first of ``keys`` the config gives as an integer."""
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return key, value
+    return None
