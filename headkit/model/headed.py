@@ -42,6 +42,7 @@ from ..errors import BatchError, CheckpointError, ConfigError
 from ..heads.base import Head, HeadDict, build_head, get_submodule_by_name
 from ..losses.objective import head_loss, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
+from . import ranks
 from .conveniences import PreTrainedConveniences, hide_head_dicts_from_trainer
 from .generation import HeadedGenerationMixin
 from .guards import NonFiniteGuard, ValueChecks
@@ -427,14 +428,43 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
+    def save_pretrained(
+        self, save_directory: str | PathLike, *, main_process_only: bool = True, **kwargs: Any
+    ) -> None:
         """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
         backbone carries one, and, unless frozen and unchanged since loading, the backbone.
-        A model sharded with FSDP2 is saved by every rank together (``sharding.save_sharded``:
-        rank 0 writes full tensors)."""
+
+        Under a process group of several ranks the save is collective: every rank calls it,
+        rank 0 writes, and every rank returns once it is written (a failure on rank 0 is
+        raised on every rank). A model sharded with FSDP2 is saved so always
+        (``sharding.save_sharded``: rank 0 writes full tensors). ``main_process_only=False``:
+        this process writes the whole checkpoint alone, whatever its rank, with no collective
+        (a save only one rank makes, as HeadedTrainer's on rank 0, or one folder per rank)."""
+        if not isinstance(main_process_only, bool):
+            raise ConfigError(
+                f"main_process_only={main_process_only!r:.80} is invalid; True (under a "
+                "process group: rank 0 writes, every rank waits) or False (this process "
+                "writes alone)"
+            )
         if is_sharded(self):
+            if not main_process_only:
+                raise ConfigError(
+                    "main_process_only=False: a model sharded with FSDP2 is saved by every "
+                    "rank together (rank 0 writes the full tensors); call it on every rank"
+                )
             return save_sharded(self, save_directory, **kwargs)
-        save_checkpoint(self, save_directory, **kwargs)
+        rank, world = ranks.current(init=False)
+        if world == 1 or not main_process_only:
+            save_checkpoint(self, save_directory, **kwargs)
+            return None
+        error = None
+        if rank == 0:
+            try:
+                save_checkpoint(self, save_directory, **kwargs)
+            except BaseException as e:  # every rank must hear of it (ranks.agree)
+                error = e
+        ranks.agree(error, f"saving {str(save_directory)!r}")
+        return None
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:
