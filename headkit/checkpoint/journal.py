@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .manifest import fsync_dir, fsync_file, sha256_file
+from .manifest import fsync_dir, sha256_file
 from .paths import MANIFEST, owned_files, read_raw, referenced_files, token_of
 
 PREFIX = ".headkit-save-"
@@ -97,9 +97,12 @@ class PendingSave:
 
     def __enter__(self) -> PendingSave:
         record = {"format": "headkit-save", "token": self.token, "replaces": self.replaces}
-        self.path.write_text(json.dumps(record))
-        fsync_file(self.path)
-        fsync_dir(self.root)
+        try:
+            write_record(self.path, json.dumps(record))
+            fsync_dir(self.root)
+        except BaseException:  # e.g. the disk is full: no record of a save that never started
+            self.path.unlink(missing_ok=True)
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -108,6 +111,14 @@ class PendingSave:
             replaced = self.replaces if exc_type is None else []
             _finish(self.root, self.token, replaced, in_use(manifest), self.previous)
         self.path.unlink(missing_ok=True)
+
+
+def write_record(path: Path, text: str) -> None:
+    """Write a save's record (created exclusively) and make it durable."""
+    with open(path, "x", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def recover(root: Path) -> None:
@@ -231,11 +242,23 @@ def _proven_by_checksums(root: Path, name: str, manifest: Any) -> bool:
 
 
 def _delete(path: Path) -> None:
-    """Delete a file, a symlink itself (never its target) or a folder with its contents."""
+    """Delete a file, a symlink itself (never its target) or a folder with its contents; a
+    folder's token marker goes last, so a save killed while deleting leaves a folder that
+    still proves itself headkit's, and the next save (``recover``) finishes the deletion."""
     try:
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            for entry in sorted(path.iterdir(), key=lambda e: e.name == MARKER):
+                delete_entry(entry)
+            path.rmdir()
         else:
             path.unlink(missing_ok=True)
     except OSError as e:
         warnings.warn(f"could not remove {str(path)!r}: {e}", stacklevel=4)
+
+
+def delete_entry(entry: Path) -> None:
+    """Delete one entry of a folder being deleted (a sub-folder with its contents)."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
