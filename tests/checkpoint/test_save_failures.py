@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import build_tiny
 
-from headkit import HeadConfig, HeadedModel
+from headkit import ConfigError, HeadConfig, HeadedModel
 from headkit.checkpoint import journal, save
 
 HEADS = [HeadConfig("cls", num_outputs=2, pred_for_sequence=True, pooling="mean")]
@@ -129,3 +129,10 @@ def test_kill_9_during_the_cleanup_after_a_commit_is_finished_by_the_next_save(t
     assert not old_backbone.exists()
     assert _strays(folder) == []
     assert len(list(folder.glob("backbone-*"))) == 1
+
+
+def test_main_process_only_must_be_a_bool(tmp_path):
+    with pytest.raises(ConfigError, match="main_process_only='yes' is invalid; True"):
+        _model().save_pretrained(tmp_path / "x", main_process_only="yes")
+    _model().save_pretrained(tmp_path / "x", main_process_only=False)  # no process group
+    assert (tmp_path / "x" / "head_configs.json").is_file()
