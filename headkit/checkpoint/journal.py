@@ -17,7 +17,8 @@ the names it replaces (those of headkit's form the previous manifest says a save
 After the commit it removes those that are proven as above and its own temporaries (never a
 name the new manifest uses), then the record. A save that fails removes what it created. A
 record left by a save that was killed is finished by the next save into the folder (under
-the folder lock, so that save is dead). A record that is not in headkit's form (hand-written,
+the folder lock, so that save is dead), or by the next load of a writable folder while no save
+holds the lock (``finish_killed_saves``). A record that is not in headkit's form (hand-written,
 a folder, of another token) is reported with a warning and left alone; it never blocks a
 save. Nothing else in the folder is touched: ``data-0123456789ab.csv``, ``backbone-user/``,
 ``heads-notes.md`` stay, whatever a manifest or a record names.
@@ -25,6 +26,7 @@ save. Nothing else in the folder is touched: ``data-0123456789ab.csv``, ``backbo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .lock import folder_lock
 from .manifest import fsync_dir, sha256_file
 from .paths import MANIFEST, owned_files, read_raw, referenced_files, token_of
 
@@ -119,6 +122,20 @@ def write_record(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def finish_killed_saves(root: Path) -> None:
+    """On load: finish the records of saves that were killed, when the folder is writable and
+    no save holds its lock right now (a live save finishes its own); never waits, never
+    fails the load."""
+    if not any(_RECORD.fullmatch(p.name) for p in root.glob(f"{PREFIX}*.json")):
+        return
+    if not os.access(root, os.W_OK):
+        return
+    with contextlib.suppress(OSError, ValueError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a record not in headkit's form: the next save says so
+        with folder_lock(root, timeout=0):
+            recover(root)
 
 
 def recover(root: Path) -> None:

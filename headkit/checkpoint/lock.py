@@ -36,10 +36,11 @@ LOCK_TIMEOUT_S = 3600.0
 
 
 @contextmanager
-def folder_lock(root: Path) -> Iterator[None]:
-    """Hold the folder's save lock for the duration of the ``with`` block."""
+def folder_lock(root: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the folder's save lock for the duration of the ``with`` block (CheckpointError
+    when another save holds it for longer than ``timeout`` seconds)."""
     path = root / LOCK
-    fd = _acquire(path, LOCK_TIMEOUT_S) if fcntl is not None else None
+    fd = _acquire(path, timeout) if fcntl is not None else None
     try:
         yield
     finally:
