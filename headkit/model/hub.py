@@ -29,6 +29,7 @@ from ..checkpoint.journal import in_use
 from ..checkpoint.manifest import MANIFEST, PICKLE_SUFFIXES
 from ..checkpoint.paths import read_raw
 from ..errors import CheckpointError, ConfigError, HeadkitError
+from .sharding import is_sharded
 
 if TYPE_CHECKING:
     from .headed import HeadedModel
@@ -120,9 +121,12 @@ def stage(
         else:
             left_out = _copy_folder(folder, target)
     else:
-        # a staging folder of this process alone: no collective, whatever its rank
+        # a staging folder of this process alone: no collective, whatever its rank (a model
+        # sharded with FSDP2 is saved by every rank together, as always)
         source.save_pretrained(
-            target, save_backbone=True if include_backbone else None, main_process_only=False
+            target,
+            save_backbone=True if include_backbone else None,
+            main_process_only=is_sharded(source),
         )
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
