@@ -173,8 +173,9 @@ class TransformerHeadsCheckpoint:
         if missing or unexpected or info.get("mismatched_keys") or info.get("error_msgs"):
             raise CheckpointError(
                 f"{self.where!r}: the backbone in {_WEIGHTS} does not match its config.json: "
-                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}, "
-                f"mismatched {list(info.get('mismatched_keys') or [])[:5]}"
+                f"missing {short_repr(sorted(missing)[:5], 300)}, unexpected "
+                f"{short_repr(sorted(unexpected)[:5], 300)}, mismatched "
+                f"{short_repr(list(info.get('mismatched_keys') or [])[:5], 300)}"
             )
         return hf
 
@@ -196,13 +197,14 @@ class TransformerHeadsCheckpoint:
         if missing or unexpected:
             raise CheckpointError(
                 f"{self.where!r}: the backbone in {_WEIGHTS} does not match the model's: "
-                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+                f"missing {short_repr(missing[:5], 300)}, unexpected "
+                f"{short_repr(unexpected[:5], 300)}"
             )
         with torch.no_grad():
             for k, v in state.items():
                 if tuple(v.shape) != tuple(own[k].shape):
                     raise CheckpointError(
-                        f"{self.where!r}: backbone tensor {k!r} has shape {tuple(v.shape)}, the "
+                        f"{self.where!r}: backbone tensor {short_repr(k)} has shape {tuple(v.shape)}, the "
                         f"model's {tuple(own[k].shape)}"
                     )
                 own[k].copy_(v.to(own[k].device, own[k].dtype))
@@ -272,7 +274,7 @@ class TransformerHeadsCheckpoint:
         config = _read_config(self.root)
         if extra or getattr(config, "use_dora", False):
             raise CheckpointError(
-                f"{self.where!r}: the adapter's lm_head part holds {extra or 'DoRA weights'}; "
+                f"{self.where!r}: the adapter's lm_head part holds {short_repr(extra, 300) if extra else 'DoRA weights'}; "
                 "headkit merges plain LoRA (lora_A, lora_B) into the lm_head head only"
             )
         a = self.adapter[f"{_LM}.lora_A.weight"].double()  # (r, hidden)
@@ -432,7 +434,7 @@ def _resolve_base(root: Path) -> str:
     base = config.get("base_model_name_or_path")
     if not isinstance(base, str) or not base:
         raise CheckpointError(
-            f"{str(root / ADAPTER_CONFIG)!r}: base_model_name_or_path={base!r} is invalid; the "
+            f"{str(root / ADAPTER_CONFIG)!r}: base_model_name_or_path={short_repr(base)} is invalid; the "
             "base model's path or hub id"
         )
     if os.path.isdir(base):
@@ -469,7 +471,8 @@ def _read_weights(root: Path) -> dict[str, torch.Tensor]:
             isinstance(f, str) and "/" not in f and f.endswith(".safetensors") for f in files
         ):
             raise CheckpointError(
-                f"{str(root / _INDEX)!r} names files {files[:3]}; safetensors only"
+                f"{str(root / _INDEX)!r} names files {short_repr(files[:3], 300)}; safetensors "
+                "files inside the folder only"
             )
         state: dict[str, torch.Tensor] = {}
         for f in files:
