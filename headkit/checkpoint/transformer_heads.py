@@ -204,8 +204,8 @@ class TransformerHeadsCheckpoint:
             for k, v in state.items():
                 if tuple(v.shape) != tuple(own[k].shape):
                     raise CheckpointError(
-                        f"{self.where!r}: backbone tensor {short_repr(k)} has shape {tuple(v.shape)}, the "
-                        f"model's {tuple(own[k].shape)}"
+                        f"{self.where!r}: backbone tensor {short_repr(k)} has shape "
+                        f"{tuple(v.shape)}, the model's {tuple(own[k].shape)}"
                     )
                 own[k].copy_(v.to(own[k].device, own[k].dtype))
 
@@ -274,7 +274,8 @@ class TransformerHeadsCheckpoint:
         config = _read_config(self.root)
         if extra or getattr(config, "use_dora", False):
             raise CheckpointError(
-                f"{self.where!r}: the adapter's lm_head part holds {short_repr(extra, 300) if extra else 'DoRA weights'}; "
+                f"{self.where!r}: the adapter's lm_head part holds "
+                f"{short_repr(extra, 300) if extra else 'DoRA weights'}; "
                 "headkit merges plain LoRA (lora_A, lora_B) into the lm_head head only"
             )
         a = self.adapter[f"{_LM}.lora_A.weight"].double()  # (r, hidden)
@@ -434,8 +435,8 @@ def _resolve_base(root: Path) -> str:
     base = config.get("base_model_name_or_path")
     if not isinstance(base, str) or not base:
         raise CheckpointError(
-            f"{str(root / ADAPTER_CONFIG)!r}: base_model_name_or_path={short_repr(base)} is invalid; the "
-            "base model's path or hub id"
+            f"{str(root / ADAPTER_CONFIG)!r}: base_model_name_or_path={short_repr(base)} is "
+            "invalid; the base model's path or hub id"
         )
     if os.path.isdir(base):
         return os.path.abspath(base)
