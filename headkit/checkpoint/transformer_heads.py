@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -341,6 +342,8 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
         "adapter": {"format": FORMAT} if adapter is not None else None,
     }
     base = _resolve_base(root) if layout == "lora" else (str(root) if layout == "full" else None)
+    if layout == "lora":
+        check_base_sizes(base)
     return TransformerHeadsCheckpoint(root, layout, manifest, state, base, adapter, lm_keys)
 
 
@@ -525,10 +528,11 @@ _WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
 _VOCAB_KEYS = ("vocab_size",)
 
 
-def check_config_sizes(root: Path, config: Any, tensors: dict[str, torch.Tensor]) -> None:
+def check_config_sizes(root: Path, config: Any, tensors: dict[str, Any]) -> None:
     """Refuse a ``config.json`` whose sizes the weights cannot hold, before anything is built:
     every block holds at least one tensor, and the embedding table ``vocab_size x width``
-    values (a ``n_layer=10**6`` config would otherwise build a million blocks)."""
+    values (a ``n_layer=10**6`` config would otherwise build a million blocks). ``tensors``
+    maps names to tensors, or to their numbers of values."""
     if not isinstance(config, dict):
         return
     where = f"{str(root / _CONFIG)!r}"
@@ -540,13 +544,35 @@ def check_config_sizes(root: Path, config: Any, tensors: dict[str, torch.Tensor]
             "nothing was built"
         )
     width, vocab = _size(config, _WIDTH_KEYS), _size(config, _VOCAB_KEYS)
-    have = sum(t.numel() for t in tensors.values())
+    have = sum(t if isinstance(t, int) else t.numel() for t in tensors.values())
     if width and vocab and width[1] * vocab[1] > 2 * have + (1 << 20):
         raise CheckpointError(
             f"{where}: {vocab[0]}={short_repr(vocab[1])} x {width[0]}={short_repr(width[1])} "
             f"needs {short_repr(width[1] * vocab[1])} values, but {_WEIGHTS} holds {have}: they "
             "do not match; nothing was built"
         )
+
+
+def check_base_sizes(base: str | None) -> None:
+    """``check_config_sizes`` for a LoRA save's base when it is a local folder of safetensors
+    weights, from the files' headers alone (nothing is read of the weights)."""
+    if not base or not os.path.isdir(base):
+        return
+    folder = Path(base)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    counts[key] = math.prod(f.get_slice(key).get_shape())
+    except Exception:  # an unreadable file is reported when the base is loaded
+        return
+    check_config_sizes(folder, _json(folder / _CONFIG), counts)
 
 
 def _size(config: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int] | None:

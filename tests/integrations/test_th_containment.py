@@ -91,6 +91,15 @@ def test_a_config_of_a_million_blocks_is_refused_before_anything_is_built(tmp_pa
         HeadedModel.from_pretrained(folder)
 
 
+def test_a_lora_saves_base_of_a_million_blocks_is_refused_before_it_is_built(tmp_path):
+    folder = _copy(tmp_path, LORA)
+    base = folder.parent / LLAMA_BASE.name
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**6}))
+    with pytest.raises(CheckpointError, match="num_hidden_layers=1000000 blocks, but"):
+        HeadedModel.from_pretrained(folder)
+
+
 def test_a_head_of_a_million_layers_gets_a_short_error(tmp_path):
     folder = _copy(tmp_path, LORA)
     heads = json.loads((folder / MANIFEST).read_text())
