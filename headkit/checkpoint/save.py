@@ -49,8 +49,9 @@ from .paths import read_raw
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
 
-#: transformers' ``save_pretrained`` keywords headkit accepts (others get a ConfigError).
-SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size")
+#: The keywords ``HeadedModel.save_pretrained`` accepts (others get a ConfigError);
+#: ``main_process_only`` is taken by it before ``save_checkpoint`` runs.
+SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size", "main_process_only")
 
 
 def backbone_is_referable(model: HeadedModel) -> bool:
