@@ -444,6 +444,7 @@ def _datasets_dir(path: Path, limit: int | None) -> list[dict]:
             f"{path} holds a DatasetDict with splits {splits}; pass one split's folder, e.g. "
             f"{path / splits[0]}"
         )
+    _check_columns(path, len(data.column_names), "the dataset")
     if limit is not None:
         data = data.select(range(min(limit, len(data))))
     return data.to_list()
