@@ -37,7 +37,14 @@ from typing import Any
 
 from .lock import folder_lock
 from .manifest import fsync_dir, sha256_file
-from .paths import MANIFEST, owned_files, read_raw, referenced_files, token_of
+from .paths import (
+    MANIFEST,
+    containment_root,
+    owned_files,
+    read_raw,
+    referenced_files,
+    token_of,
+)
 
 PREFIX = ".headkit-save-"
 #: The file inside each folder a save writes, holding the save's token.
@@ -130,8 +137,8 @@ def finish_killed_saves(root: Path) -> None:
     fails the load."""
     if not any(_RECORD.fullmatch(p.name) for p in root.glob(f"{PREFIX}*.json")):
         return
-    if not os.access(root, os.W_OK):
-        return
+    if not os.access(root, os.W_OK) or containment_root(root) != root.resolve():
+        return  # read-only, or a hub cache snapshot: never changed by a load
     with contextlib.suppress(OSError, ValueError), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a record not in headkit's form: the next save says so
         with folder_lock(root, timeout=0):
