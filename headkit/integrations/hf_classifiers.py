@@ -40,6 +40,7 @@ from ..heads.base import Head
 from ..model.headed import HeadedModel
 from .exporting import (
     check_atol,
+    check_export_target,
     export_folder,
     files_sha256,
     max_difference,
@@ -376,3 +377,13 @@ def _verify(model: HeadedModel, name: str, folder: Path, plan: _Plan, atol: floa
                 f"{tuple(batch['input_ids'].shape)}; nothing was written: {_ALTERNATIVES}"
             )
     return worst
+
+
+def _check_target(directory: Path, overwrite: bool, **options: Any) -> None:
+    """``headkit.export``'s check before anything is loaded or built: ``atol``, and the folder
+    (``exporting.check_export_target``)."""
+    check_atol(options.get("atol", 1e-4))
+    check_export_target(directory, SIDECAR, overwrite, "transformers export")
+
+
+export_transformers.check_target = _check_target  # type: ignore[attr-defined]
