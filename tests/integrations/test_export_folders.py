@@ -151,3 +151,24 @@ def test_onnx_options_on_the_cli_are_one_line(model, tmp_path, capsys, flags, al
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and allowed in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_format_that_cannot_tell_its_files_apart_writes_only_into_a_new_folder(model, tmp_path):
+    from headkit.formats import EXPORTERS
+
+    written = []
+
+    def names_only(m, output_dir, **options):  # a registered exporter with no check_target
+        written.append(output_dir)
+
+    EXPORTERS.register("names-only-test", names_only)
+    try:
+        mine = _user_files(tmp_path / "mine")
+        with pytest.raises(ConfigError, match="writes into a new or empty folder only") as e:
+            headkit.export(model, tmp_path / "mine", format="names-only-test", overwrite=True)
+        assert "'data.csv', 'thesis.tex'" in str(e.value) and not written
+        _still_there(tmp_path / "mine", mine)
+        headkit.export(model, tmp_path / "new", format="names-only-test")
+        assert written == [tmp_path / "new"]
+    finally:
+        EXPORTERS.remove("names-only-test")
