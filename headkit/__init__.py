@@ -41,6 +41,7 @@ _LAZY: dict[str, str] = {
     "PoolingStrategy": "heads.pooling",
     "ProbeResults": "probe.results",
     "ProbeRow": "probe.results",
+    "SlowHeadsWarning": "model.rates",
     "SequencePooling": "heads.pooling",
     "cache_features": "features",
     "create_headed_qlora": "integrations.peft",
@@ -51,6 +52,7 @@ _LAZY: dict[str, str] = {
     "load_headed": "loading",
     "load_lora_with_heads": "integrations.peft",
     "merge_and_unload": "integrations.peft",
+    "param_groups": "model.rates",
     "parse_layers": "probe.sweep",
     "predict_on_features": "features",
     "print_trainable_parameters": "integrations.transformer_heads",
@@ -88,6 +90,7 @@ __all__ = [
     "PoolingStrategy",
     "ProbeResults",
     "ProbeRow",
+    "SlowHeadsWarning",
     "cache_features",
     "create_headed_qlora",
     "evaluate_head_wise",
@@ -96,6 +99,7 @@ __all__ = [
     "get_top_n_preds",
     "load_headed",
     "load_lora_with_heads",
+    "param_groups",
     "predict_on_features",
     "print_trainable_parameters",
     "probe_layers",
@@ -158,6 +162,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, no
     from .metrics import HeadwiseMetrics, evaluate_head_wise
     from .model.generation import HeadedGenerateOutput
     from .model.headed import HeadedModel, HeadedModelOutput
+    from .model.rates import SlowHeadsWarning, param_groups
     from .model.sharding import shard
     from .probe.results import ProbeResults, ProbeRow
     from .probe.sweep import parse_layers as parse_layers

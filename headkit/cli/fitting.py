@@ -28,6 +28,7 @@ from ..features import (
 )
 from ..losses.objective import head_loss
 from ..model.headed import HeadedModel
+from ..model.rates import HEAD_LR, param_groups
 
 #: A validation loss counts as better when it is lower by more than this share.
 MIN_IMPROVEMENT = 1e-4
@@ -60,8 +61,11 @@ def fit_heads(
     )
     train_set = [examples[i] for i in train_rows]
     val_set = [examples[i] for i in val_rows]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(training["lr"]))
+    lr = float(training["lr"])
+    # a trained backbone at training.lr, fresh heads at least at HEAD_LR (model/rates.py)
+    head_lr = lr if training["freeze_backbone"] else max(HEAD_LR, lr)
+    groups = param_groups(model, head_lr=head_lr, backbone_lr=lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(groups)  # 0.01: AdamW's own default, on weight matrices only
     cached = training["use_cached_features"] in (True, "auto") and training["freeze_backbone"]
     if cached:
         size = training["batch_size"]

@@ -61,14 +61,21 @@ from ..errors import ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
 from ..model.labels import loss_heads, route_labels, without_unused_labels
 from ..model.parallel import drop_idle_gradients, join_idle
+from ..model.rates import HEAD_LR, param_groups
 from ..model.sharding import is_sharded, plain_parameters
 
 logger = logging.getLogger(__name__)
 
 
 class HeadedTrainer(Trainer):
-    """``transformers.Trainer`` for a HeadedModel: headkit checkpoints, per-head eval losses,
-    predictions by head. ``data_collator`` defaults to ``HeadedCollator(model, tokenizer)``."""
+    """``transformers.Trainer`` for a HeadedModel: heads at their own learning rate,
+    headkit checkpoints, per-head eval losses, predictions by head. ``data_collator``
+    defaults to ``HeadedCollator(model, tokenizer)``.
+
+    The optimizer Trainer builds (``args.optim``) gets two rates: the heads
+    ``head_learning_rate`` (None: the larger of ``HEAD_LR`` = 3e-3 and
+    ``args.learning_rate``), a trainable backbone ``args.learning_rate``
+    (``headkit.param_groups``); an ``optimizers=`` of your own is used as given."""
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class HeadedTrainer(Trainer):
         args: Any = None,
         data_collator: Any = None,
         *rest: Any,
+        head_learning_rate: float | None = None,
         **kwargs: Any,
     ) -> None:
         if model is None or not hasattr(model, "head_configs"):
@@ -105,7 +113,36 @@ class HeadedTrainer(Trainer):
             )
         self._head_loss_sums: torch.Tensor | None = None
         self.skipped_batches = 0
+        self.head_learning_rate = (
+            max(HEAD_LR, self.args.learning_rate)
+            if head_learning_rate is None
+            else head_learning_rate
+        )
+        param_groups(model, head_lr=self.head_learning_rate)  # checks the rate now
         self.add_callback(_DropIdleGradients(self))
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer (``args.optim`` and its options) over ``param_groups``: the
+        heads at ``head_learning_rate``, the backbone at ``args.learning_rate``, weight decay
+        on weight matrices."""
+        if self.optimizer is not None or self.optimizer_cls_and_kwargs is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        plain = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+        special = {"params", "model", "optimizer_dict"} & set(kwargs) or "bitsandbytes" in str(cls)
+        if not plain or special:  # GaLore, LOMO, layer-wise, 8-bit, factories: Trainer's way
+            return super().create_optimizer(model)
+        groups = param_groups(
+            self._headed(),
+            head_lr=self.head_learning_rate,
+            backbone_lr=self.args.learning_rate,
+            weight_decay=self.args.weight_decay,
+        )
+        self.optimizer = cls(
+            [{k: v for k, v in g.items() if k != "name"} for g in groups], **kwargs
+        )
+        return self.optimizer
 
     # ------------------------------------------------------------------ training
     def compute_loss(
