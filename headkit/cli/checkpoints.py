@@ -33,6 +33,18 @@ def save_checkpoint(
     return out
 
 
+def record_metrics(out: str | Path, metrics: dict[str, dict[str, float]]) -> None:
+    """Add held-out ``metrics`` ({head: {metric: value}}) to ``headkit_cli.json`` and render
+    the model card again with them (its evaluation section and ``model-index``)."""
+    from ..checkpoint.card import refresh_card
+    from .outputs import write_text
+
+    out = Path(out)
+    settings = {**read_settings(out), "metrics": metrics}
+    write_text(out / CLI_SETTINGS, json.dumps(settings, indent=2) + "\n")
+    refresh_card(out)
+
+
 def open_checkpoint(
     checkpoint: str | Path, model: HeadedModel | None = None
 ) -> tuple[HeadedModel, Any, dict[str, Any]]:

@@ -152,7 +152,7 @@ def run_train(
 
     from ..backbone.sources import load_tokenizer, resolve_model
     from ..loading import load_headed
-    from .checkpoints import save_checkpoint
+    from .checkpoints import record_metrics, save_checkpoint
     from .datafiles import read_rows, require_columns, require_labels
     from .evaluate import run_eval
     from .fitting import fit_heads
@@ -177,6 +177,7 @@ def run_train(
     fit = fit_heads(model, tokenizer, examples, training, progress)
     settings = {k: data[k] for k in ("text_column", "label_columns")}
     settings["max_length"] = training["max_length"]
+    settings["data"] = {"train": data["train"], "eval": data["eval"]}  # for the model card
     out = save_checkpoint(model, tokenizer, config["output"], settings)
     result: dict[str, Any] = {
         "losses": fit.losses,
@@ -197,6 +198,7 @@ def run_train(
             model=model,
             encoding=data["encoding"],
         )
+        record_metrics(out, result["metrics"])  # the card's evaluation and model-index
     return result
 
 

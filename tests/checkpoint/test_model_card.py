@@ -233,3 +233,51 @@ def test_front_matter_round_trips_any_string():
     text = front_matter(meta)
     assert not any(line.strip() in ("---", "...") for line in text.splitlines())
     assert yaml.safe_load(text) == meta
+
+
+@pytest.mark.parametrize(
+    "arch, head, tag, processor",
+    [
+        ("vit", {"pred_for_sequence": True}, "image-classification", "AutoImageProcessor"),
+        ("wav2vec2", {"pred_for_sequence": True}, "audio-classification", "AutoFeatureExtractor"),
+        ("bert", {}, "token-classification", "AutoTokenizer"),
+        (
+            "bert",
+            {"pred_for_sequence": True, "is_regression": True, "loss_fct": "mse"},
+            "text-classification",
+            "AutoTokenizer",
+        ),
+    ],
+)
+def test_the_pipeline_tag_and_snippet_follow_the_modality_and_kind(
+    tmp_path, arch, head, tag, processor
+):
+    model = HeadedModel(build_tiny(arch, num_layers=2), [HeadConfig("h", num_outputs=2, **head)])
+    model.save_pretrained(tmp_path)
+    meta = front_matter(tmp_path)
+    assert meta["pipeline_tag"] == tag and meta["tags"] == ["headkit", tag]
+    text = (tmp_path / CARD).read_text()
+    assert f"processor = {processor}.from_pretrained(" in text
+    if arch != "bert":
+        assert "tokenizer(" not in text and "text-classification" not in text
+    for section in ("## Intended use", "## Limitations", "## Training data"):
+        assert section in text
+
+
+def test_license_and_base_model_come_from_the_backbones_card(tmp_path):
+    head = HeadConfig("sentiment", num_outputs=2, pred_for_sequence=True, pooling="mean")
+    load_headed(str(minilm_path()), head_configs=[head]).save_pretrained(tmp_path / "a")
+    meta = front_matter(tmp_path / "a")  # the packaged MiniLM's README says apache-2.0
+    assert meta["license"] == "apache-2.0"
+    assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert (
+        "License (from the base model's card): `apache-2.0`" in (tmp_path / "a" / CARD).read_text()
+    )
+    base = tmp_path / "base"
+    build_tiny("bert", num_layers=2).save_pretrained(base)
+    (base / CARD).write_text("---\nlicense: mit\n---\n# a model\n")
+    load_headed(str(base), head_configs=[head]).save_pretrained(tmp_path / "b")
+    assert front_matter(tmp_path / "b")["license"] == "mit"
+    (base / CARD).write_text("no front matter\n")
+    load_headed(str(base), head_configs=[head]).save_pretrained(tmp_path / "c")
+    assert "license" not in front_matter(tmp_path / "c")
