@@ -544,11 +544,11 @@ def training_facts(root: Path) -> dict[str, Any]:
             e for e in history if isinstance(e, dict) and any(k.startswith("eval_") for k in e)
         ]
         if evals:
-            facts["metrics"].update(_trainer_metrics(evals[-1]))
+            facts["metrics"].update(trainer_metrics(evals[-1]))
     return facts
 
 
-def _trainer_metrics(logged: dict[str, Any]) -> dict[str, dict[str, float]]:
+def trainer_metrics(logged: dict[str, Any]) -> dict[str, dict[str, float]]:
     """``eval_<head>_<metric>`` (HeadwiseMetrics, HeadedTrainer) → {head: {metric: value}};
     other ``eval_*`` numbers under "all"."""
     out: dict[str, dict[str, float]] = {}

@@ -55,7 +55,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..checkpoint import MANIFEST, restore
-from ..checkpoint.card import refresh_card
+from ..checkpoint.card import refresh_card, trainer_metrics
 from ..data.collator import HeadedCollator
 from ..errors import ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
@@ -266,6 +266,9 @@ class HeadedTrainer(Trainer):
             tokenizer.save_pretrained(output_dir)
         # JSON instead of Trainer's pickled training_args.bin: checkpoints hold no pickle.
         Path(output_dir, "training_args.json").write_text(self.args.to_json_string())
+        evals = [e for e in self.state.log_history if any(k.startswith("eval_") for k in e)]
+        if Path(output_dir, MANIFEST).is_file():  # the card: settings and the last evaluation
+            refresh_card(output_dir, metrics=trainer_metrics(evals[-1]) if evals else None)
         return None
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
