@@ -508,6 +508,66 @@ def backbone_license(source: Any) -> str | None:
     return value if isinstance(value, str) and len(value) <= 100 else None
 
 
+# ---------------------------------------------------------------------- export cards
+#: The sidecar field recording the sha256 of the card an export wrote (not in its "files":
+#: a card the user edited is theirs, and no later export deletes or replaces it).
+EXPORT_CARD = "card_sha256"
+
+
+def owns_export_card(root: Path, sidecar: Path) -> bool:
+    """Whether an export may write ``root/README.md``: there is none, or it is the card the
+    previous export's sidecar records, unchanged."""
+    path = root / CARD
+    if not os.path.lexists(path):
+        return True
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        recorded = json.loads(sidecar.read_text()).get(EXPORT_CARD)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(recorded, str) and recorded == sha256_file(path)
+
+
+def export_card(
+    model: Any, heads: list[str], fmt: str, root: Path, usage: list[str], facts: list[str]
+) -> str:
+    """The card of an export (``fmt`` "transformers" or "onnx"): hub metadata (library,
+    pipeline tag from the heads' modality and kind, base model and license when known), what
+    was exported and how it was verified (``facts``), ``usage`` (code lines), and the
+    intended use and limitations sections to fill in."""
+    info = getattr(model, "info", None)
+    modality = getattr(info, "modality", "text") if info is not None else "text"
+    configs = [model.head_configs[h] for h in heads]
+    tags = [t for t in dict.fromkeys(pipeline_tag(c, modality) for c in configs) if t]
+    src = getattr(model, "source", None)
+    base = base_model_of(src.to_manifest(root)["source"]) if src is not None else None
+    license_ = backbone_license(src.source if src is not None else None)
+    meta: dict[str, Any] = {"library_name": "transformers" if fmt == "transformers" else "onnx"}
+    if license_:
+        meta["license"] = license_
+    if base:
+        meta["base_model"] = base
+    if tags:
+        meta["pipeline_tag"] = tags[0]
+    meta["tags"] = ["headkit", *(["onnx"] if fmt == "onnx" else []), *tags]
+    title = Path(root).resolve().name
+    lines = ["---", front_matter(meta), "---", "", _MARK, "", f"# {md(title)}", ""]
+    lines += [md(f) for f in facts] + [""]
+    lines += ["## Use", "", "```python", *usage, "```", ""]
+    lines += _to_fill_in({})
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_export_card(tmp: Path, root: Path, sidecar: Path, text: str) -> str | None:
+    """Write ``text`` as the export's card into the export's temporary folder when the
+    target's README.md may be replaced (``owns_export_card``); its sha256, or None."""
+    if not owns_export_card(root, sidecar):
+        return None
+    (tmp / CARD).write_text(text, encoding="utf-8")
+    return sha256_file(tmp / CARD)
+
+
 # ---------------------------------------------------------------------- what the folder says
 def training_facts(root: Path) -> dict[str, Any]:
     """``datasets`` (hub ids), ``metrics`` ({head: {metric: value}}) and ``training`` settings
