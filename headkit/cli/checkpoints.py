@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..model.headed import HeadedModel
+
+if TYPE_CHECKING:  # imports torch and transformers: only where a model is loaded
+    from ..model.headed import HeadedModel
 
 CLI_SETTINGS = "headkit_cli.json"
 
@@ -51,6 +53,8 @@ def open_checkpoint(
     """The model (``model`` if given, else loaded), tokenizer and CLI settings of a folder.
     The settings are read first: a corrupt ``headkit_cli.json`` is refused before loading."""
     from transformers import AutoTokenizer
+
+    from ..model.headed import HeadedModel
 
     root = Path(checkpoint)
     settings = read_settings(root)

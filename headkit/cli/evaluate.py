@@ -77,12 +77,15 @@ def run_eval(
     encoding: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-head metrics of a checkpoint on a data file (columns default to training's)."""
-    from ..metrics import evaluate_head_wise
-    from .checkpoints import open_checkpoint
+    from .checkpoints import read_settings
     from .datafiles import read_rows, require_columns, require_labels
-    from .rows import encode_rows
 
-    model, tokenizer, settings = open_checkpoint(checkpoint, model)
+    opened = None
+    if model is None and not Path(checkpoint).is_dir():  # a hub id, or missing: its own error
+        from .checkpoints import open_checkpoint
+
+        opened = open_checkpoint(checkpoint)
+    settings = read_settings(Path(checkpoint))  # the columns first: before torch is imported
     text_column = text_column or settings.get("text_column", "text")
     label_columns = label_columns or settings.get("label_columns")
     if not label_columns:
@@ -93,6 +96,11 @@ def run_eval(
     labelled = {f"--label-column {t}": c for t, c in label_columns.items()}
     require_columns(rows, {"--text-column": text_column, **labelled}, data)
     require_labels(rows, labelled, data)
+    from ..metrics import evaluate_head_wise
+    from .checkpoints import open_checkpoint
+    from .rows import encode_rows
+
+    model, tokenizer, settings = opened or open_checkpoint(checkpoint, model)
     configs = list(model.head_configs.values())
     max_length = settings.get("max_length", 128)
     examples, _ = encode_rows(rows, tokenizer, configs, text_column, label_columns, max_length)

@@ -100,13 +100,20 @@ def _predictions(
     progress: bool,
     with_text: bool,
 ) -> list[dict]:
+    from .checkpoints import read_settings
+    from .datafiles import require_columns
+
+    if Path(checkpoint).is_dir():  # the columns first: before torch is imported
+        settings = read_settings(Path(checkpoint))
+        require_columns(
+            rows, {"--text-column": text_column or settings.get("text_column", "text")}, data
+        )
     import torch
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     from ..data.collator import HeadedCollator
     from .checkpoints import open_checkpoint
-    from .datafiles import require_columns
     from .rows import encode_rows, readable
 
     model, tokenizer, settings = open_checkpoint(checkpoint)

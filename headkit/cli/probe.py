@@ -103,8 +103,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ..model.ranks import is_main
-    from ..probe.sweep import probe_layers
     from .options import check_model_kwargs
     from .outputs import local_inputs
 
@@ -125,6 +123,10 @@ def run(args: argparse.Namespace) -> None:
         except ConfigError as e:  # named as --test-data's (main reports "data file" as --data)
             raise ConfigError(f"--test-data={args.test_data!r}: {e}") from None
         test = {"test_inputs": test_texts, "test_labels": test_labels}
+    # torch and transformers only now: every argument and column was checked
+    from ..model.ranks import is_main
+    from ..probe.sweep import probe_layers
+
     options = {"l2": args.l2} if args.l2 else {}
     results = probe_layers(
         args.model,
@@ -153,7 +155,6 @@ def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
     """(inputs, labels) of a data file by the task: texts (or images / audio by
     ``--image-column`` / ``--audio-column``) and classes, numbers or per-word labels; empty
     label cells are refused with their row numbers."""
-    from ..data.encoding import as_class
     from .datafiles import as_list, as_number, read_rows, require_columns, require_labels
 
     rows = read_rows(source, args.limit, args.encoding)
@@ -163,6 +164,8 @@ def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
         tc = args.image_column or args.audio_column
     require_columns(rows, {option: tc, "--label-column": lc}, source)
     require_labels(rows, {"--label-column": lc}, source)
+    from ..data.encoding import as_class  # (imports torch: after the checks)
+
     if args.task == "token" and option == "--text-column":
         texts = [as_list(r[tc], tc, i) for i, r in enumerate(rows)]
         labels = [[as_class(v) for v in as_list(r[lc], lc, i)] for i, r in enumerate(rows)]

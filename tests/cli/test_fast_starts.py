@@ -1,0 +1,62 @@
+"""A mistyped column (or another bad argument) is reported before torch or transformers is
+imported: one line, status 2, in a fraction of a second (no time is asserted: machines vary;
+what is asserted is that the heavy imports never happened)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_RUN = (
+    "import sys\n"
+    "from headkit.cli.main import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "heavy = sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)\n"
+    "print('HEAVY', rc, ','.join(heavy))\n"
+)
+
+
+def _run(args: list[str]) -> tuple[int, str, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN, *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    line = next(x for x in done.stdout.splitlines() if x.startswith("HEAVY"))
+    _, rc, heavy = (line.split(" ") + [""])[:3]
+    return int(rc), heavy, done.stderr.strip()
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    data = tmp_path / "d.csv"
+    data.write_text("text,label\na fine film,1\na dull film,0\n")
+    config = tmp_path / "t.yaml"
+    config.write_text(
+        "model: packaged:minilm\nheads:\n  - {name: s, pred_for_sequence: true, num_outputs: 2}\n"
+        "data: {train: d.csv, text_column: txet, label_columns: {s: label}}\noutput: out\n"
+    )
+    ckpt = tmp_path / "ckpt"  # what train leaves: the settings are read before the model
+    ckpt.mkdir()
+    settings = {"text_column": "txet", "label_columns": {"s": "label"}, "max_length": 32}
+    (ckpt / "headkit_cli.json").write_text(json.dumps(settings))
+    return {"data": data, "config": config, "ckpt": ckpt, "out": tmp_path / "o"}
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "probe --model packaged:minilm --data {data} --text-column txet --output {out}",
+        "train {config}",
+        "eval {ckpt} --data {data}",
+        "predict {ckpt} --data {data} --output {out}.csv",
+    ],
+)
+def test_a_mistyped_column_is_reported_before_torch_is_imported(files, command):
+    rc, heavy, err = _run(command.format(**files).split())
+    assert rc == 2 and heavy == "", (heavy, err)
+    assert "'txet': no such column" in err and "columns present: text, label" in err
+    assert len(err.splitlines()) == 1
