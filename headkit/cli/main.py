@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from ..errors import HeadkitError
 from . import convert, demo, evaluate, export, predict, probe, push, train
+from .options import add_threads
 
 #: Command name -> its module (``HELP``, ``EXAMPLE``, ``add_arguments``, ``run``).
 COMMANDS = {
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(p)
+        add_threads(p)
         p.set_defaults(run=module.run)
     return parser
 
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(_join_dash_values(argv))
     try:
-        with _progress_bars(not getattr(args, "quiet", False)):
+        with _progress_bars(not getattr(args, "quiet", False)), _threads(args.threads):
             args.run(args)
     except HeadkitError as e:
         message = " ".join(str(e).split())
@@ -118,6 +120,72 @@ def _has(args: argparse.Namespace, option: str) -> bool:
 
 
 @contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """``--threads N``: torch's CPU threads for the command (OMP_NUM_THREADS for a torch
+    imported later, ``torch.set_num_threads`` for one already imported); then as it was."""
+    if n is None:
+        yield
+        return
+    import os
+
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    if torch is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+        if before is not None:
+            torch.set_num_threads(before)
+
+
+#: What transformers and huggingface_hub read when first imported: bars off, errors only.
+_QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_VERBOSITY": "error",
+}
+
+
+@contextlib.contextmanager
+def _quiet_environment() -> Iterator[None]:
+    """``--quiet`` before transformers is imported (importing it to switch its bars off
+    costs seconds, before the arguments are checked): the variables it reads when imported;
+    if the command imported it, its bars and logging are set back afterwards."""
+    import logging as std_logging
+    import os
+    import warnings
+
+    saved = {k: os.environ.get(k) for k in _QUIET_ENV}
+    hub_was_imported = "huggingface_hub" in sys.modules
+    os.environ.update(_QUIET_ENV)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"(transformers|huggingface_hub)(\.|$)")
+            yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if "transformers" in sys.modules:  # imported by the command: as it would have been
+            from transformers.utils import logging
+
+            logging.set_verbosity(logging._get_default_logging_level())
+            if saved["HF_HUB_DISABLE_PROGRESS_BARS"] is None:
+                logging.enable_progress_bar()
+            if not hub_was_imported and saved["HF_HUB_VERBOSITY"] is None:
+                std_logging.getLogger("huggingface_hub").setLevel(std_logging.WARNING)
+
+
+@contextlib.contextmanager
 def _progress_bars(shown: bool) -> Iterator[None]:
     """With ``shown=False`` (``--quiet``), transformers' and huggingface_hub's own bars
     (``Loading weights``) are off while the command runs, their logging (load reports,
@@ -129,6 +197,10 @@ def _progress_bars(shown: bool) -> Iterator[None]:
     import logging as std_logging
     import warnings
 
+    if "transformers" not in sys.modules:  # not imported yet: the environment, not an import
+        with _quiet_environment():
+            yield
+        return
     from huggingface_hub import utils as hub
     from transformers.utils import logging
 

@@ -127,3 +127,15 @@ def add_batching(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=positive, default=128, help="tokens per text (default 128)")
     p.add_argument("--limit", type=positive, help="read at most this many rows")
     add_quiet(p)
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """``--threads N``, on every command (``main`` applies it)."""
+    p.add_argument(
+        "--threads",
+        type=positive,
+        default=None,
+        help="torch CPU threads (default: torch's own, one per core; on a busy machine 1 is "
+        "often faster). Probe fitting always runs on 1 thread: its small matrices only wait "
+        "for each other on more",
+    )

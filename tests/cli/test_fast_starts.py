@@ -50,7 +50,10 @@ def files(tmp_path: Path) -> dict[str, Path]:
     "command",
     [
         "probe --model packaged:minilm --data {data} --text-column txet --output {out}",
+        "probe --model packaged:minilm --data {data} --text-column txet --output {out} --quiet "
+        "--threads 1",
         "train {config}",
+        "train {config} --quiet --threads 2",
         "eval {ckpt} --data {data}",
         "predict {ckpt} --data {data} --output {out}.csv",
     ],
@@ -60,3 +63,30 @@ def test_a_mistyped_column_is_reported_before_torch_is_imported(files, command):
     assert rc == 2 and heavy == "", (heavy, err)
     assert "'txet': no such column" in err and "columns present: text, label" in err
     assert len(err.splitlines()) == 1
+
+
+def test_threads_sets_torchs_thread_count_for_the_command_only():
+    import os
+
+    import torch
+
+    from headkit.cli.main import _threads
+
+    before = torch.get_num_threads()
+    with _threads(1):
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    assert torch.get_num_threads() == before
+
+
+def test_every_command_takes_threads():
+    from headkit.cli.main import COMMANDS
+
+    for name in COMMANDS:
+        out = subprocess.run(
+            [sys.executable, "-m", "headkit", name, "--help"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        ).stdout
+        assert "--threads" in out, name
