@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 import torch.nn.functional as F
+import yaml
 from tiny_text import planted_texts, save_tiny_text_model, tagged_sentences
 from transformers.utils import logging as hf_logging
 

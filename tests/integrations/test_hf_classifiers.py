@@ -7,8 +7,8 @@ import json
 import re
 
 import pytest
-import yaml
 import torch
+import yaml
 from conftest import build_tiny
 from transformers import (
     AutoModel,

@@ -7,8 +7,8 @@ and the tokenizer saved beside the graph."""
 from __future__ import annotations
 
 import pytest
-import yaml
 import torch
+import yaml
 from onnx_checks import check_cut, compare_with_eager, padded
 from transformers import AutoModel, AutoTokenizer
 
