@@ -175,6 +175,9 @@ def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
     else:  # images or audio: paths beside the data file, or datasets cells
         audio = option == "--audio-column"
         inputs = [_media_cell(r[tc], Path(source).parent, audio) for r in rows]
+        if not audio:
+            for i, cell in enumerate(inputs):
+                _check_image_file(cell, f"{option} {tc}: {_row_of(source, i)}")
     if args.task == "regression":
         return inputs, [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
     return inputs, [as_class(r[lc]) for r in rows]
@@ -212,6 +215,33 @@ def _media_cell(value: object, base: Path, audio: bool) -> object:
         samples, rate = read_audio(value["bytes"])
         return {"array": samples, "sampling_rate": rate}
     return value
+
+
+def _row_of(source: str, i: int) -> str:
+    """Where data row ``i`` (0-based) of a data file is, for an error message."""
+    suffix = Path(source).suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        return f"row {i + 1} of {source} (line {i + 2}, after the header)"
+    if suffix == ".jsonl":
+        return f"row {i + 1} of {source} (line {i + 1})"
+    return f"row {i + 1} of {source}"
+
+
+def _check_image_file(cell: object, where: str) -> None:
+    """An image path must exist and hold an image (its header and, for PNG, its checksums:
+    ``PIL.Image.verify``, nothing decoded): refused naming the path and the data file's row."""
+    if not isinstance(cell, (str, os.PathLike)):
+        return
+    path = Path(cell)
+    if not path.is_file():
+        raise ConfigError(f"{where}: image file {str(path)!r} does not exist")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+        raise ConfigError(f"{where}: {str(path)!r} is not a readable image ({e})") from None
 
 
 def write_results(results: ProbeResults, out: Path) -> None:

@@ -42,7 +42,7 @@ from ..errors import BatchError, CheckpointError, ConfigError
 from ..heads.base import Head, HeadDict, build_head, get_submodule_by_name
 from ..losses.objective import head_loss, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
-from .conveniences import PreTrainedConveniences, hide_head_dicts_from_trainer
+from .conveniences import PreTrainedConveniences, hide_head_dicts_from_trainer, name_classes
 from .generation import HeadedGenerationMixin
 from .guards import NonFiniteGuard, ValueChecks
 from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
@@ -193,6 +193,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         else:
             freeze_unreached(self)
         hide_head_dicts_from_trainer(self.backbone.config)
+        name_classes(self.backbone.config, self.head_configs)  # pipelines' labels
         layers = set(self._layer_of_head.values())
         prepare_tracing(self.backbone, self.info, layers)  # capture hooks for torch.compile
         self.set_loss_weighting(loss_weighting)
