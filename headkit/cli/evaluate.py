@@ -77,11 +77,12 @@ def run_eval(
     encoding: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-head metrics of a checkpoint on a data file (columns default to training's)."""
-    from .checkpoints import read_settings
+    from .checkpoints import CLI_SETTINGS, read_settings
     from .datafiles import read_rows, require_columns, require_labels
 
     opened = None
-    if model is None and not Path(checkpoint).is_dir():  # a hub id, or missing: its own error
+    if model is None and not Path(checkpoint, CLI_SETTINGS).is_file():
+        # no settings to check the columns by (not headkit train's folder): the loader's error
         from .checkpoints import open_checkpoint
 
         opened = open_checkpoint(checkpoint)

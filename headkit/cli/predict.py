@@ -100,10 +100,10 @@ def _predictions(
     progress: bool,
     with_text: bool,
 ) -> list[dict]:
-    from .checkpoints import read_settings
+    from .checkpoints import CLI_SETTINGS, read_settings
     from .datafiles import require_columns
 
-    if Path(checkpoint).is_dir():  # the columns first: before torch is imported
+    if Path(checkpoint, CLI_SETTINGS).is_file():  # the columns first: before torch is imported
         settings = read_settings(Path(checkpoint))
         require_columns(
             rows, {"--text-column": text_column or settings.get("text_column", "text")}, data
