@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> None:
         limit=args.limit,
         progress=not args.quiet,
         encoding=args.encoding,
+        device=args.device,
     )
     print(metrics_table(metrics))
     if args.output:
@@ -75,6 +76,7 @@ def run_eval(
     progress: bool = True,
     model: HeadedModel | None = None,
     encoding: str | None = None,
+    device: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-head metrics of a checkpoint on a data file (columns default to training's)."""
     from .checkpoints import CLI_SETTINGS, read_settings
@@ -102,6 +104,10 @@ def run_eval(
     from .rows import encode_rows
 
     model, tokenizer, settings = opened or open_checkpoint(checkpoint, model)
+    if device is not None:  # --device (the batches follow the model)
+        from .options import resolve_device
+
+        model.to(resolve_device(device))
     configs = list(model.head_configs.values())
     max_length = settings.get("max_length", 128)
     examples, _ = encode_rows(rows, tokenizer, configs, text_column, label_columns, max_length)

@@ -27,6 +27,7 @@ from ..features import (
     train_heads_on_features,
 )
 from ..losses.objective import head_loss
+from ..metrics import batch_to_device
 from ..model.headed import HeadedModel
 from ..model.rates import HEAD_LR, param_groups
 
@@ -180,7 +181,7 @@ def _full_epochs(
         model.train()
         total, n = 0.0, 0
         for batch in loader:
-            out = model(**batch)
+            out = model(**batch_to_device(batch, model.device))
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             opt.step()
@@ -193,7 +194,7 @@ def _full_epochs(
         total = 0.0
         for start in range(0, len(val_set), size):
             chunk = val_set[start : start + size]
-            total += float(model(**collate(chunk)).loss) * len(chunk)
+            total += float(model(**batch_to_device(collate(chunk), model.device)).loss) * len(chunk)
         return total / len(val_set)
 
     return epoch, (validate if val_set else None)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from ..errors import HeadkitError
 from . import convert, demo, evaluate, export, predict, probe, push, train
-from .options import add_threads
+from .options import add_device, add_threads
 
 #: Command name -> its module (``HELP``, ``EXAMPLE``, ``add_arguments``, ``run``).
 COMMANDS = {
@@ -30,6 +30,9 @@ COMMANDS = {
     "export": export,
     "push": push,
 }
+
+#: Commands that run a model over data: they take ``--device``.
+RUN_MODELS = ("probe", "train", "eval", "predict", "demo")
 
 #: Library messages that start with a parameter name are reported as the option's error.
 _OPTIONS = {
@@ -75,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         module.add_arguments(p)
         add_threads(p)
+        if name in RUN_MODELS:
+            add_device(p)
         p.set_defaults(run=module.run)
     return parser
 

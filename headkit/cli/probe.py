@@ -126,8 +126,13 @@ def run(args: argparse.Namespace) -> None:
     # torch and transformers only now: every argument and column was checked
     from ..model.ranks import is_main
     from ..probe.sweep import probe_layers
+    from .options import resolve_device
 
     options = {"l2": args.l2} if args.l2 else {}
+    model_kwargs = dict(args.model_kwarg)
+    where = resolve_device(getattr(args, "device", None))
+    if where.type != "cpu":
+        model_kwargs.setdefault("device_map", str(where))  # features computed there
     results = probe_layers(
         args.model,
         texts,
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> None:
         max_length=args.max_length,
         batch_size=args.batch_size,
         progress=not args.quiet,
-        model_kwargs=dict(args.model_kwarg),
+        model_kwargs=model_kwargs,
         val_splits=args.val_splits,
         **test,
         **options,

@@ -58,7 +58,9 @@ def run(args: argparse.Namespace) -> None:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LossStillFallingWarning)  # printed below, one line
-        result = run_train(config, progress=not args.quiet, overwrite=args.overwrite)
+        result = run_train(
+            config, progress=not args.quiet, overwrite=args.overwrite, device=args.device
+        )
     losses = result["losses"]
     print(f"training loss: epoch 1 {losses[0]:.4f} -> epoch {len(losses)} {losses[-1]:.4f}")
     if result["best_epoch"] is not None:
@@ -162,7 +164,10 @@ def check_output(config: dict[str, Any], overwrite: bool) -> Path:
 
 # ---------------------------------------------------------------------- training
 def run_train(
-    config: dict[str, Any], progress: bool = True, overwrite: bool = False
+    config: dict[str, Any],
+    progress: bool = True,
+    overwrite: bool = False,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Train the heads of a loaded config, save the checkpoint; return the per-epoch training
     and validation losses, the epoch kept, the checkpoint and held-out metrics."""
@@ -183,6 +188,7 @@ def run_train(
     from .checkpoints import record_metrics, save_checkpoint
     from .evaluate import run_eval
     from .fitting import fit_heads
+    from .options import resolve_device
     from .rows import encode_rows, with_classes
 
     heads = with_classes(config["heads"], rows, data["label_columns"], "data.label_columns")
@@ -190,6 +196,7 @@ def run_train(
     torch.manual_seed(training["seed"])  # the heads' initial weights
     freeze = training["freeze_backbone"]
     model = load_headed(path, head_configs=heads, freeze_base_model=freeze, **kwargs)
+    model.to(resolve_device(device))  # --device: the batches follow the model
     tokenizer = load_tokenizer(config["model"], config["model_kwargs"])
     configs = list(model.head_configs.values())
     examples, _ = encode_rows(

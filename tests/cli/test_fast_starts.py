@@ -90,3 +90,17 @@ def test_every_command_takes_threads():
             timeout=300,
         ).stdout
         assert "--threads" in out, name
+
+
+def test_device_is_checked_before_torch_and_against_what_torch_sees(files, capsys):
+    from headkit.cli.main import main
+
+    with pytest.raises(SystemExit) as e:  # the syntax, by argparse
+        main(["eval", str(files["ckpt"]), "--data", str(files["data"]), "--device", "gpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device: invalid value 'gpu'; allowed: cpu, cuda, cuda:N, mps" in err
+    args = ["probe", "--model", "packaged:minilm", "--data", str(files["data"])]
+    args += ["--output", str(files["out"]), "--device", "cuda:999"]  # no machine has it
+    assert main(args) == 2
+    assert "--device='cuda:999': torch sees no such device here" in capsys.readouterr().err
