@@ -150,44 +150,43 @@ def _threads(n: int | None) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-#: What transformers and huggingface_hub read when first imported: bars off, errors only.
-_QUIET_ENV = {
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "HF_HUB_VERBOSITY": "error",
-}
-
-
 @contextlib.contextmanager
 def _quiet_environment() -> Iterator[None]:
     """``--quiet`` before transformers is imported (importing it to switch its bars off
-    costs seconds, before the arguments are checked): the variables it reads when imported;
-    if the command imported it, its bars and logging are set back afterwards."""
+    costs seconds, before the arguments are checked): huggingface_hub's bars off (what
+    transformers reads when imported) and ``TRANSFORMERS_VERBOSITY=error``; if the command
+    imported transformers, its bars and logging are set back afterwards."""
     import logging as std_logging
     import os
     import warnings
 
-    saved = {k: os.environ.get(k) for k in _QUIET_ENV}
-    hub_was_imported = "huggingface_hub" in sys.modules
-    os.environ.update(_QUIET_ENV)
+    from huggingface_hub import utils as hub  # light: no torch, no transformers
+
+    hub_off = hub.are_progress_bars_disabled()
+    hub_logger = std_logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
+    saved = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    hub.disable_progress_bars()
+    hub_logger.setLevel(std_logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module=r"(transformers|huggingface_hub)(\.|$)")
             yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if saved is None:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = saved
+        hub_logger.setLevel(hub_level)
         if "transformers" in sys.modules:  # imported by the command: as it would have been
             from transformers.utils import logging
 
             logging.set_verbosity(logging._get_default_logging_level())
-            if saved["HF_HUB_DISABLE_PROGRESS_BARS"] is None:
-                logging.enable_progress_bar()
-            if not hub_was_imported and saved["HF_HUB_VERBOSITY"] is None:
-                std_logging.getLogger("huggingface_hub").setLevel(std_logging.WARNING)
+            if not hub_off:
+                logging.enable_progress_bar()  # turns huggingface_hub's on as well
+        elif not hub_off:
+            hub.enable_progress_bars()
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ what is asserted is that the heavy imports never happened)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,8 +67,6 @@ def test_a_mistyped_column_is_reported_before_torch_is_imported(files, command):
 
 
 def test_threads_sets_torchs_thread_count_for_the_command_only():
-    import os
-
     import torch
 
     from headkit.cli.main import _threads
@@ -104,3 +103,36 @@ def test_device_is_checked_before_torch_and_against_what_torch_sees(files, capsy
     args += ["--output", str(files["out"]), "--device", "cuda:999"]  # no machine has it
     assert main(args) == 2
     assert "--device='cuda:999': torch sees no such device here" in capsys.readouterr().err
+
+
+def test_quiet_in_a_fresh_process_silences_transformers_then_sets_it_back(tmp_path):
+    """``--quiet`` before transformers is imported: no bar, no load report on stderr; after
+    the command, transformers' bars and verbosity are what they would have been."""
+    from cli_helpers import review_files
+    from conftest import build_tiny
+    from tiny_text import tiny_tokenizer
+
+    folder = tmp_path / "classifier"  # loaded as a bare backbone: transformers logs a report
+    build_tiny("bert", num_layers=2, task="sequence-classification").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    data = review_files(tmp_path)["train"]
+    script = (
+        "import sys\n"
+        "from headkit.cli.main import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "from transformers.utils import logging\n"
+        "print('AFTER', rc, logging.is_progress_bar_enabled(), logging.get_verbosity())\n"
+    )
+    args = ["probe", "--model", str(folder), "--data", str(data), "--layers", "0"]
+    args += ["--val-splits", "1", "--output", str(tmp_path / "out"), "--quiet"]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+    )
+    assert "AFTER 0 True 30" in done.stdout, (done.stdout, done.stderr)  # 30: WARNING
+    assert "LOAD REPORT" not in done.stderr and "Loading weights" not in done.stderr
+    assert "Cannot enable progress bars" not in done.stderr
