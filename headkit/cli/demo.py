@@ -18,7 +18,7 @@ from .options import add_quiet, positive
 
 HELP = "probe the packaged MiniLM on the packaged reviews, then train a head"
 EXAMPLE = """example:
-  headkit demo                     # about a minute on 2 CPU cores
+  headkit demo                     # minutes on 2 CPU cores (17 min at load 10-15)
   headkit demo --examples 4000 --output runs/demo"""
 
 LABELS = {0: "rotten", 1: "fresh"}
