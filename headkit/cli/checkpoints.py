@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # imports torch and transformers: only where a model is loade
 CLI_SETTINGS = "headkit_cli.json"
 
 
-def save_checkpoint(
+def save_trained(
     model: HeadedModel, tokenizer: Any, out: str | Path, settings: dict[str, Any]
 ) -> Path:
     """Write the model's checkpoint, its tokenizer and the CLI settings to ``out`` (a new or
@@ -63,7 +63,9 @@ def open_checkpoint(
         tokenizer = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(
-            f"CHECKPOINT={str(root)!r} holds no tokenizer ({e}); was it written by headkit train?"
+            f"CHECKPOINT={str(root)!r} holds no tokenizer ({e}); was it written by headkit train?",
+            field="CHECKPOINT",
+            value=str(root),
         ) from None
     return model.eval(), tokenizer, settings
 

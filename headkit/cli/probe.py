@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
             raise ConfigError(f"--test-data={args.test_data!r}: {e}") from None
         test = {"test_inputs": test_texts, "test_labels": test_labels}
     # torch and transformers only now: every argument and column was checked
-    from ..model.ranks import is_main
+    from ..distributed.ranks import is_main
     from ..probe.sweep import probe_layers
     from .options import resolve_device
 
