@@ -101,7 +101,8 @@ def _target_of_plain_labels(head_configs: Mapping[str, Any]) -> str:
         f"column to 'labels'{why}. Either give the head that learns from that column "
         "target='labels' (HeadConfig(..., target='labels')), or keep each head's labels "
         "under its target and collate with HeadedCollator(model, tokenizer) "
-        "(Trainer(..., data_collator=HeadedCollator(model, tokenizer)) or HeadedTrainer)"
+        "(HeadedTrainer, or Trainer(..., data_collator=HeadedCollator(model, tokenizer)) "
+        "with TrainingArguments(remove_unused_columns=False))"
     )
 
 
