@@ -2,13 +2,17 @@
 
 The vanilla ``transformers.Trainer`` works with a HeadedModel and ``HeadedCollator``:
 
-* ``model.forward``'s signature lists every head target, so ``remove_unused_columns`` keeps
-  the label columns (``HeadedTrainer`` does not rely on it: it asks the heads which columns
-  the model reads, ``_set_signature_columns_if_needed``);
+* ``remove_unused_columns`` keeps the columns named in ``HeadedModel.forward``'s signature
+  (the class's: the text inputs and ``labels``) and ``label``/``label_ids``, so one head
+  learning from a ``label`` column trains with the defaults; the heads' target columns are
+  not in it, so with several heads pass ``remove_unused_columns=False`` or use
+  ``HeadedTrainer``, which asks the heads which columns the model reads
+  (``_set_signature_columns_if_needed``). A training forward that gets no label at all says
+  so once (``labels.say_no_targets``) before Trainer's "did not return a loss";
 * the collator puts labels under ``batch["labels"]`` (a ``{target: tensor}`` dict, or for a
   model with one head that has a loss, that head's tensor, as ``DataCollatorWithPadding``
-  makes it). Trainer finds ``**labels`` in ``forward``'s signature, takes ``"labels"`` as
-  its label key, and so computes ``eval_loss``; HeadedModel routes it (``labels.py``);
+  makes it). Trainer finds ``labels`` in ``forward``'s signature, takes it as its label
+  key, and so computes ``eval_loss``; HeadedModel routes it (``labels.py``);
 * the output's first field after ``loss`` is ``logits`` (the one trained head's predictions,
   else ``{head: predictions}``) and the per-head dicts are listed in the backbone config's
   ``keys_to_ignore_at_inference``, so ``compute_metrics`` gets
