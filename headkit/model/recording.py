@@ -59,7 +59,8 @@ class Recorder:
         """The (batch, 1) ``tokens`` at ``position`` were chosen from the pending logits: their
         log-probabilities (log-softmax of the logits, in float32) are due."""
         self.chosen.append((position, self.pending, tokens))
-        if sum(logits.numel() for _, logits, _ in self.chosen) >= MAX_PENDING_LOGITS:
+        held = sum(_held(logits) for _, logits, _ in self.chosen)
+        if held >= MAX_PENDING_LOGITS:
             self.flush()
 
     def flush(self) -> None:
@@ -73,6 +74,12 @@ class Recorder:
         logprobs = picked - torch.logsumexp(stacked, -1)
         for i, position in enumerate(positions):
             self.logprobs[position] = logprobs[i]
+
+
+def _held(t: torch.Tensor) -> int:
+    """Elements a kept view holds alive (its whole storage: a prompt's logits over every
+    position, when they were computed so)."""
+    return t.untyped_storage().nbytes() // t.element_size()
 
 
 def stitch(pieces: dict[int, torch.Tensor], start: int, stop: int) -> torch.Tensor:

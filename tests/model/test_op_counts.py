@@ -53,3 +53,23 @@ def test_a_decode_step_costs_the_backbones_plus_the_heads_matmuls(arch: str) -> 
     step = _ops.decode_step_ops(arch, first=2, more=4)
     assert step["headed"] <= step["allowed"], step
     assert step["headed"] - step["head_matmuls"] <= _ops.MAX_DECODE_STEP_FACTOR * step["backbone"]
+
+
+def test_log_probabilities_computed_in_batches_equal_those_of_every_step(monkeypatch) -> None:
+    """A step only keeps its logits; their log-probabilities are computed together, in batches
+    of at most ``MAX_PENDING_LOGITS`` elements: the batching changes no value."""
+    from headkit.model import recording
+
+    model = _ops.headed_for_generation(_ops.build_model("llama"))
+    settings = {"max_new_tokens": 7, "do_sample": False, "eos_token_id": None, "pad_token_id": 2}
+    whole = model.generate(**_ops.prompts(), **settings)
+    per_step = _ops.BATCH * _ops.VOCAB  # one step's logits: a batch every step, then every 3
+    for steps in (1, 3):
+        monkeypatch.setattr(recording, "MAX_PENDING_LOGITS", steps * per_step)
+        batched = model.generate(**_ops.prompts(), **settings)
+        assert torch.equal(batched.sequences, whole.sequences)
+        assert torch.equal(batched.token_logprobs, whole.token_logprobs)
+    logits = model(**_ops.prompts()).preds_by_head["lm_head"][:, -1].float()
+    first = whole.sequences[:, 6:7]
+    want = logits.log_softmax(-1).gather(-1, first).squeeze(-1)
+    torch.testing.assert_close(whole.token_logprobs[:, 0], want)
