@@ -23,9 +23,8 @@ rather than train towards -100 (use ``masked_mse``). Metrics skip it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -380,11 +379,14 @@ class CountedLabels:
     counts: torch.Tensor | None
     total: torch.Tensor
     shift: bool
+    _skipped: torch.Tensor | None = field(default=None, repr=False)
 
-    @functools.cached_property
     def skipped(self) -> torch.Tensor | None:
-        """(N,) True where nothing counts (None: every element counts)."""
-        return None if self.counts is None else ~self.counts
+        """(N,) True where nothing counts (None: every element counts); computed once, when a
+        head first needs it (not ``functools.cached_property``: its lock stops torch.compile)."""
+        if self._skipped is None and self.counts is not None:
+            self._skipped = ~self.counts
+        return self._skipped
 
 
 def count_labels(
@@ -418,7 +420,7 @@ def counted_loss(cfg: HeadConfig, preds: torch.Tensor, counted: CountedLabels) -
         per = spec.fn(preds.float(), counted.target).reshape(-1)
         zeroed = False
     if counted.counts is not None and not zeroed:
-        per = per.masked_fill(counted.skipped, 0)
+        per = per.masked_fill(counted.skipped(), 0)
     return per.sum() / counted.total
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def _heads(n: int) -> list[HeadConfig]:
-    """``n`` mean-pooled sequence heads, a token head and a regression head, last layer."""
+    """``n`` mean-pooled sequence heads, token heads (CE, MSE) and a regression head."""
     seq = [
         HeadConfig(f"s{i}", num_outputs=2, pred_for_sequence=True, pooling="mean", target="cls")
         for i in range(n)
@@ -30,6 +30,7 @@ def _heads(n: int) -> list[HeadConfig]:
     return [
         *seq,
         HeadConfig("tags", num_outputs=5),
+        HeadConfig("level", num_outputs=1, is_regression=True, loss_fct="mse"),  # masked: pads
         HeadConfig("score", num_outputs=1, pred_for_sequence=True, is_regression=True,
                    loss_fct="mse", pooling="mean"),
     ]  # fmt: skip
@@ -46,6 +47,7 @@ def _batch(device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
         "cls": torch.randint(0, 2, (4,), generator=g),
         "tags": torch.randint(0, 5, (4, 10), generator=g),
         "score": torch.randn(4, generator=g),
+        "level": torch.randn(4, 10, generator=g),
     }
     return {k: v.to(device) for k, v in batch.items()}
 
