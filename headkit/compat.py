@@ -18,6 +18,7 @@ from .integrations.transformer_heads import (
     get_top_n_preds,
     load_tokenizer,
     print_trainable_parameters,
+    th_parameter_names,
 )
 from .loading import load_headed
 from .model.headed import HeadedModel, HeadedModelOutput
@@ -39,4 +40,5 @@ __all__ = [
     "load_lora_with_heads",
     "load_tokenizer",
     "print_trainable_parameters",
+    "th_parameter_names",
 ]

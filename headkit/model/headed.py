@@ -175,7 +175,9 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         budget = self.max_head_parameters
         self.heads = HeadDict(
             {
-                n: build_head(c, pooler_size, pooler, budget).to(devices[n])
+                n: build_head(c, pooler_size, pooler, budget, self.info.special_tokens).to(
+                    devices[n]
+                )
                 for n, c in self.head_configs.items()
             }
         )
@@ -321,7 +323,13 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
         extra, labels = split_inputs(self.info, labels)  # pixel_values, input_values, ...
         labels = self._route_labels(labels)
-        given = {"input_ids": input_ids, "attention_mask": attention_mask, **extra, **labels}
+        given = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "inputs_embeds": inputs_embeds,
+            **extra,
+            **labels,
+        }
         signature = self._value_checks.due(given) if self.check_inputs else None  # guards.py
         check = signature is not None
         batch = {

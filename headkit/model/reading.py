@@ -58,6 +58,12 @@ def resolve_config(info: BackboneInfo, backbone: PreTrainedModel, cfg: HeadConfi
             f"HeadConfig(name={cfg.name!r}): pooling={cfg.pooling!r} needs the backbone's "
             f"pooler, but {type(backbone).__name__} has none; use 'first', 'mean', ..."
         )
+    if "patch_mean" in cfg.pooling_strategies and info.modality != "vision":
+        raise ConfigError(
+            f"HeadConfig(name={cfg.name!r}): pooling={cfg.pooling!r} averages the image "
+            f"patches of a vision backbone, but {type(backbone).__name__} is a "
+            f"{info.modality} model; use 'mean'"
+        )
     if cfg.pool_over != "all" and not image_token_ids(backbone.config):
         raise ConfigError(
             f"HeadConfig(name={cfg.name!r}): pool_over={cfg.pool_over!r} needs a "
