@@ -203,7 +203,9 @@ class BackbonePooler(PoolingStrategy):
         if pooler is None:
             raise ConfigError(
                 "pooling='pooler' needs a backbone with a pooler module (BERT-style); "
-                "this one has none: use 'first', 'mean', ..."
+                "this one has none: use 'first', 'mean', ...",
+                field="pooling",
+                value=None,
             )
         if self.every_position:
             seq = hidden.shape[1]

@@ -58,7 +58,7 @@ def test_a_decode_step_costs_the_backbones_plus_the_heads_matmuls(arch: str) -> 
 def test_log_probabilities_computed_in_batches_equal_those_of_every_step(monkeypatch) -> None:
     """A step only keeps its logits; their log-probabilities are computed together, in batches
     of at most ``MAX_PENDING_LOGITS`` elements: the batching changes no value."""
-    from headkit.model import recording
+    from headkit.generation import recording
 
     model = _ops.headed_for_generation(_ops.build_model("llama"))
     settings = {"max_new_tokens": 7, "do_sample": False, "eos_token_id": None, "pad_token_id": 2}

@@ -25,19 +25,18 @@ from transformers.utils import ModelOutput
 
 from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
+from ..model.head_inputs import layer_index
 from .budget import check_generation_size, prompt_shape
-from .labels import with_keywords
-from .reading import layer_index
 from .recording import Recorder, stitch, until_eos
 from .seq2seq import Seq2SeqDriver, encoder_head_outputs
 
 if TYPE_CHECKING:
-    from .headed import HeadedModel
+    from ..model.headed import HeadedModel
 
 #: Decoding modes whose rows stay in place from step to step (beams reorder them).
 _ROW_STABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 #: Where per-step head outputs are read: at each token's own position, or at the step that
-#: chose it (transformer-heads' alignment).
+#: chose it.
 HEAD_OUTPUTS_AT = ("token", "step")
 #: generate() keywords that would hand a cache in or out of headkit's control.
 _CACHE_KWARGS = ("cache", "past_key_values")
@@ -58,7 +57,7 @@ class HeadedGenerateOutput(ModelOutput):
       num_outputs), value at generated token t computed on the hidden state at the position
       of token t itself; sequence heads (R, num_outputs), on each finished sequence (prompt
       and generated tokens up to and including the row's first eos). With
-      ``head_outputs_at="step"`` (transformer-heads' alignment) entry t is read one position
+      ``head_outputs_at="step"`` entry t is read one position
       earlier, and sequence heads give (R, N, num_outputs). An encoder–decoder model's
       encoder heads (``stack="encoder"``) are computed once per prompt on the encoder's
       input: sequence heads (R, num_outputs), token heads (R, S, num_outputs) over the
@@ -82,7 +81,7 @@ class HeadedGenerateOutput(ModelOutput):
     logits: tuple[torch.Tensor, ...] | None = None
 
     @property
-    def logprobs(self) -> torch.Tensor | None:  # transformer-heads' name
+    def logprobs(self) -> torch.Tensor | None:  # the older name
         return self.token_logprobs
 
 
@@ -116,8 +115,8 @@ class HeadedGenerationMixin:
         token t is computed on the hidden state at the position of token t itself, i.e. the
         value a plain forward over the final ``sequences`` gives at that position; sequence
         heads pool each finished sequence (prompt and generated tokens up to and including the
-        first eos), (R, num_outputs). ``head_outputs_at="step"`` (transformer-heads'
-        alignment): entry t is computed at the step that chose token t, on the state of the
+        first eos), (R, num_outputs). ``head_outputs_at="step"``:
+        entry t is computed at the step that chose token t, on the state of the
         position before it (the last prompt token for t = 0), so its ``[t + 1]`` is the
         default's ``[t]``; sequence heads give (R, N, num_outputs), entry t pooling the
         sequence up to that position. Every step runs the backbone
@@ -345,8 +344,14 @@ class _HeadedDriver:
         self.generation_config = copy.deepcopy(default_generation_config(headed))
         self.recorder = Recorder()
         self.final_step = False
-        self.forward = with_keywords(self.forward, headed.info.extra_inputs)  # pixel_values...
         self.prompt_length: int | None = None  # an encoder–decoder model's decoder start
+
+    def _validate_model_kwargs(self, model_kwargs: dict[str, Any]) -> None:
+        """transformers' check of generate's keywords against ``forward``'s parameters, less
+        the backbone's own inputs (``pixel_values``, ...), which ``forward`` passes on
+        through its ``**kwargs`` to the input stage."""
+        own = set(self._headed.info.extra_inputs)
+        super()._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k not in own})
 
     def forward(
         self,

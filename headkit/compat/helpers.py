@@ -27,8 +27,8 @@ from transformers import AutoConfig, PreTrainedModel
 
 from ..checkpoint import restore
 from ..errors import BatchError, ConfigError
+from ..generation.generate import HeadedGenerateOutput
 from ..metrics import evaluation_batches
-from ..model.generation import HeadedGenerateOutput
 from ..model.headed import HeadedModel
 
 #: transformer-heads' name of ``HeadedModel.generate``'s output (``.logprobs`` is

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .generation import _Plan
-    from .headed import HeadedModel
+    from ..model.headed import HeadedModel
+    from .generate import _Plan
 
 
 #: Logits of chosen tokens kept (elements) before their log-probabilities are computed together:
