@@ -45,7 +45,7 @@ from ..distributed.sharding import is_sharded, save_sharded
 from ..errors import BatchError, CheckpointError, ConfigError
 from ..generation.generate import HeadedGenerationMixin
 from ..heads.base import HeadDict, build_head, get_submodule_by_name
-from ..losses.objective import head_loss, target_rules
+from ..losses.objective import head_losses, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
 from .guards import NonFiniteGuard, ValueChecks
 from .head_inputs import (
@@ -426,13 +426,10 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Each head's loss, for the heads that have a loss and a label in ``labels``
         (``check``: validate the labels' values on the host; ``mask``: one for all heads, or
-        each head's)."""
-        losses: dict[str, torch.Tensor] = {}
-        for name, cfg in self.head_configs.items():
-            y = labels.get(cfg.target)
-            if y is not None and cfg.loss_fct is not None:
-                losses[name] = head_loss(cfg, preds[name], y, mask_of(mask, name), check)
-        return losses
+        each head's). Labels are checked and counted once for the heads that read them alike
+        (``losses.objective.head_losses``)."""
+        masks = {name: mask_of(mask, name) for name in self.head_configs}
+        return head_losses(self.head_configs, preds, labels, masks, check)
 
     def combine_losses(
         self, losses: dict[str, torch.Tensor]
