@@ -27,7 +27,9 @@ from ..features import (
     train_heads_on_features,
 )
 from ..losses.objective import head_loss
+from ..metrics import batch_to_device
 from ..model.headed import HeadedModel
+from ..model.rates import HEAD_LR, param_groups
 
 #: A validation loss counts as better when it is lower by more than this share.
 MIN_IMPROVEMENT = 1e-4
@@ -60,8 +62,11 @@ def fit_heads(
     )
     train_set = [examples[i] for i in train_rows]
     val_set = [examples[i] for i in val_rows]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(training["lr"]))
+    lr = float(training["lr"])
+    # a trained backbone at training.lr, fresh heads at least at HEAD_LR (model/rates.py)
+    head_lr = lr if training["freeze_backbone"] else max(HEAD_LR, lr)
+    groups = param_groups(model, head_lr=head_lr, backbone_lr=lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(groups)  # 0.01: AdamW's own default, on weight matrices only
     cached = training["use_cached_features"] in (True, "auto") and training["freeze_backbone"]
     if cached:
         size = training["batch_size"]
@@ -176,7 +181,7 @@ def _full_epochs(
         model.train()
         total, n = 0.0, 0
         for batch in loader:
-            out = model(**batch)
+            out = model(**batch_to_device(batch, model.device))
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             opt.step()
@@ -189,7 +194,7 @@ def _full_epochs(
         total = 0.0
         for start in range(0, len(val_set), size):
             chunk = val_set[start : start + size]
-            total += float(model(**collate(chunk)).loss) * len(chunk)
+            total += float(model(**batch_to_device(collate(chunk), model.device)).loss) * len(chunk)
         return total / len(val_set)
 
     return epoch, (validate if val_set else None)

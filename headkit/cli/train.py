@@ -52,10 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from .evaluate import metrics_table
 
-    config = load_train_config(args.config, output=args.output, encoding=args.encoding)
+    # the heads are checked with the data, before torch is imported (run_train)
+    config = load_train_config(
+        args.config, output=args.output, encoding=args.encoding, build_heads=False
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LossStillFallingWarning)  # printed below, one line
-        result = run_train(config, progress=not args.quiet, overwrite=args.overwrite)
+        result = run_train(
+            config, progress=not args.quiet, overwrite=args.overwrite, device=args.device
+        )
     losses = result["losses"]
     print(f"training loss: epoch 1 {losses[0]:.4f} -> epoch {len(losses)} {losses[-1]:.4f}")
     if result["best_epoch"] is not None:
@@ -74,15 +79,19 @@ def run(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------- config
 def load_train_config(
-    path: str | Path, output: str | None = None, encoding: str | None = None
+    path: str | Path,
+    output: str | None = None,
+    encoding: str | None = None,
+    build_heads: bool = True,
 ) -> dict[str, Any]:
     """Read and check a training config; relative paths are relative to the config's folder.
 
     ``output`` (``--output``, relative to the working folder) replaces the config's
     ``output``; ``encoding`` (``--encoding``) its ``data.encoding``. ``training.epochs`` and
     ``training.lr`` left out (or ``auto``) become ``DEFAULTS[freeze_backbone]``.
+    ``build_heads=False`` leaves the heads as dicts (``HeadConfig`` imports torch):
+    ``run_train`` builds them after the data's columns are checked.
     """
-    from ..config import HeadConfig
     from .train_config import load_yaml, parse_config
 
     path = Path(path)
@@ -102,13 +111,13 @@ def load_train_config(
             f"{path}: training.use_cached_features=true needs training.freeze_backbone=true "
             "(cached features would go stale as the backbone trains)"
         )
-    heads = [HeadConfig.from_dict(h) for h in parsed.heads]
-    for h in heads:
-        if h.is_causal_lm:
+    for h in parsed.heads:
+        if h.get("is_causal_lm") is True:
             raise ConfigError(
-                f"{path}: head {h.name!r} has is_causal_lm=true; headkit train trains "
+                f"{path}: head {h.get('name')!r} has is_causal_lm=true; headkit train trains "
                 "classification, regression and token heads (use the Python API for LM heads)"
             )
+    heads = head_configs(parsed.heads) if build_heads else [dict(h) for h in parsed.heads]
     base = path.parent
     data = parsed.data.model_dump()
     for key in ("train", "eval"):
@@ -129,11 +138,22 @@ def load_train_config(
     }
 
 
+def head_configs(heads: list[Any]) -> list[Any]:
+    """The config's heads as ``HeadConfig`` objects (checked; dicts are converted)."""
+    from ..config import HeadConfig
+
+    return [h if isinstance(h, HeadConfig) else HeadConfig.from_dict(h) for h in heads]
+
+
 def check_output(config: dict[str, Any], overwrite: bool) -> Path:
     """Refuse the output folder before any work: an input, a file, a folder holding files
     that are not a headkit checkpoint (named), or a checkpoint without ``overwrite``."""
-    from ..checkpoint.paths import is_checkpoint
     from .outputs import check_output_folder, local_inputs
+
+    def is_checkpoint(folder: Path) -> bool:  # imports torch: asked only of a folder of files
+        from ..checkpoint.paths import is_checkpoint
+
+        return is_checkpoint(folder)
 
     data = config["data"]
     inputs = local_inputs(config.get("config"), data["train"], data["eval"], config["model"])
@@ -148,19 +168,14 @@ def check_output(config: dict[str, Any], overwrite: bool) -> Path:
 
 # ---------------------------------------------------------------------- training
 def run_train(
-    config: dict[str, Any], progress: bool = True, overwrite: bool = False
+    config: dict[str, Any],
+    progress: bool = True,
+    overwrite: bool = False,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Train the heads of a loaded config, save the checkpoint; return the per-epoch training
     and validation losses, the epoch kept, the checkpoint and held-out metrics."""
-    import torch
-
-    from ..backbone.sources import load_tokenizer, resolve_model
-    from ..loading import load_headed
-    from .checkpoints import save_trained
     from .datafiles import read_rows, require_columns, require_labels
-    from .evaluate import run_eval
-    from .fitting import fit_heads
-    from .rows import encode_rows, with_classes
 
     check_output(config, overwrite)
     data, training = config["data"], config["training"]
@@ -168,11 +183,24 @@ def run_train(
     labelled = {f"data.label_columns.{t}": c for t, c in data["label_columns"].items()}
     require_columns(rows, {"data.text_column": data["text_column"], **labelled}, data["train"])
     require_labels(rows, labelled, data["train"])
+    config = {**config, "heads": head_configs(config["heads"])}
+    # torch and transformers only now: the config, the output and the columns were checked
+    import torch
+
+    from ..backbone.sources import load_tokenizer, resolve_model
+    from ..loading import load_headed
+    from .checkpoints import record_metrics, save_trained
+    from .evaluate import run_eval
+    from .fitting import fit_heads
+    from .options import resolve_device
+    from .rows import encode_rows, with_classes
+
     heads = with_classes(config["heads"], rows, data["label_columns"], "data.label_columns")
     path, kwargs = resolve_model(config["model"], config["model_kwargs"])
     torch.manual_seed(training["seed"])  # the heads' initial weights
     freeze = training["freeze_backbone"]
     model = load_headed(path, head_configs=heads, freeze_base_model=freeze, **kwargs)
+    model.to(resolve_device(device))  # --device: the batches follow the model
     tokenizer = load_tokenizer(config["model"], config["model_kwargs"])
     configs = list(model.head_configs.values())
     examples, _ = encode_rows(
@@ -181,6 +209,7 @@ def run_train(
     fit = fit_heads(model, tokenizer, examples, training, progress)
     settings = {k: data[k] for k in ("text_column", "label_columns")}
     settings["max_length"] = training["max_length"]
+    settings["data"] = {"train": data["train"], "eval": data["eval"]}  # for the model card
     out = save_trained(model, tokenizer, config["output"], settings)
     result: dict[str, Any] = {
         "losses": fit.losses,
@@ -201,6 +230,7 @@ def run_train(
             model=model,
             encoding=data["encoding"],
         )
+        record_metrics(out, result["metrics"])  # the card's evaluation and model-index
     return result
 
 

@@ -1,7 +1,7 @@
 """Training and predicting heads on cached features (no backbone forward at all).
 
 Each step computes exactly what ``HeadedModel.forward`` would: the heads' ``from_features``
-(or their trainable pooling on the stored token states), ``head_loss`` per head, then
+(or their trainable pooling on the stored token states), ``head_losses`` of the heads, then
 ``model.combine_losses``.
 """
 
@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..backbone.fingerprint import tensors_fingerprint
 from ..errors import ConfigError
-from ..losses.objective import head_loss, label_rule
+from ..losses.objective import head_losses, label_rule
 from ..model.headed import HeadedModel
 from .caching import _backbone_meta, _plan_heads, check_frozen
 from .storage import CachedFeatures
@@ -34,7 +35,7 @@ def train_heads_on_features(
 ) -> list[float]:
     """Train the heads on cached features; return the mean total loss of each epoch.
 
-    Each step computes exactly what ``HeadedModel.forward`` would (``head_loss`` per head,
+    Each step computes exactly what ``HeadedModel.forward`` would (``head_losses`` of the heads,
     then ``model.combine_losses``), with the heads in train mode (dropout active). Epoch e
     visits rows in the order ``torch.randperm(n, generator=g)`` (its e-th call) with ``g``
     seeded once by ``seed``, in consecutive batches; ``torch.manual_seed(seed)`` is set
@@ -136,13 +137,20 @@ def _check_matches(model: HeadedModel, features: CachedFeatures, names: Iterable
         raise ConfigError(
             f"features must be CachedFeatures (from cache_features), got {type(features).__name__}"
         )
-    cached_bb, bb = features.meta["backbone"], _backbone_meta(model)
+    cached_bb, bb = features.meta["backbone"], _backbone_meta(model, fingerprint=False)
     for field in ("class", "num_layers", "hidden_size"):
         if cached_bb[field] != bb[field]:
             raise ConfigError(
                 f"features were cached from another backbone: {field}={cached_bb[field]!r}, "
                 f"this model has {bb[field]!r}"
             )
+    recorded = cached_bb.get("fingerprint")
+    if recorded is not None and recorded != tensors_fingerprint(model.backbone):
+        raise ConfigError(
+            "features were cached from another backbone: its weights' fingerprint differs "
+            "from this model's (same class and sizes, other weights); cache the features "
+            "again with this model"
+        )
     now = _plan_heads(model)
     for name in names:
         if name not in features.heads:
@@ -189,9 +197,9 @@ def _head_preds(
 def _batch_loss(
     model: HeadedModel, plan: dict[str, Any], batch: dict[str, Any]
 ) -> torch.Tensor | None:
-    losses = {}
-    for name, (cfg, info) in plan.items():
-        p = _head_preds(model, name, info, batch)
-        losses[name] = head_loss(cfg, p, batch["labels"][cfg.target], batch["mask"])
+    configs = {name: cfg for name, (cfg, _) in plan.items()}
+    preds = {name: _head_preds(model, name, info, batch) for name, (_, info) in plan.items()}
+    masks = dict.fromkeys(plan, batch["mask"])
+    losses = head_losses(configs, preds, batch["labels"], masks)
     total, _ = model.combine_losses(losses)
     return total

@@ -35,11 +35,15 @@ import torch
 from torch import nn
 
 from ..backbone.adapters import has_adapters
+from ..checkpoint.card import EXPORT_CARD, export_card, pipeline_tag, write_export_card
 from ..errors import ConfigError, HeadkitError
 from ..heads.base import Head
 from ..model.headed import HeadedModel
 from .exporting import (
+    check_atol,
+    check_export_target,
     export_folder,
+    files_sha256,
     max_difference,
     recorded_tokenizer,
     sample_batches,
@@ -76,6 +80,26 @@ class TransformersExport:
     description: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
+def _card(
+    model: HeadedModel, head: str, plan: _Plan, cls: str, diff: float, atol: float, where: Any
+) -> str:
+    """The export's model card: a plain transformers classifier, loaded by its Auto class
+    and by pipelines."""
+    tag = pipeline_tag(model.head_configs[head], model.info.modality) or "text-classification"
+    usage = [
+        f"from transformers import {plan.auto}, pipeline",
+        "",
+        f'model = {plan.auto}.from_pretrained("path/to/this/folder")',
+        f'classify = pipeline({tag!r}, model="path/to/this/folder")',
+    ]
+    facts = [
+        f"Head {head!r} of a headkit model, exported as a plain {cls} "
+        f'(format="transformers"); its predictions were checked against the head\'s: largest '
+        f"difference {diff:.3g} (allowed {atol:g}).",
+    ]
+    return export_card(model, [head], "transformers", Path(where), usage, facts)
+
+
 @dataclass
 class _Plan:
     auto: str  # "AutoModelForSequenceClassification" or "AutoModelForTokenClassification"
@@ -92,11 +116,15 @@ def export_transformers(
     labels: list[str] | None = None,
     pad_token_id: int | None = None,
     atol: float = 1e-4,
+    overwrite: bool = False,
 ) -> TransformersExport:
     """Write ``head`` (default: the model's only head) as a plain transformers classifier in
     ``directory`` (see the module docstring). ``tokenizer`` (default: the one recorded beside
     the backbone's source, if any; False: none) is saved beside it; ``pad_token_id`` (default:
-    the tokenizer's, else the backbone config's) is what decoders find the last token by."""
+    the tokenizer's, else the backbone config's) is what decoders find the last token by.
+    ``directory`` must be new, empty or an earlier transformers export (replaced only with
+    ``overwrite=True``; see ``exporting.export_folder``)."""
+    check_atol(atol)
     name = _one_head(model, head)
     if tokenizer is None:
         tokenizer = recorded_tokenizer(model)
@@ -105,7 +133,8 @@ def export_transformers(
     was_training = model.training
     model.eval()
     try:
-        with export_folder(directory, SIDECAR) as tmp:
+        what = "transformers export"
+        with export_folder(directory, SIDECAR, overwrite=overwrite, what=what) as tmp:
             task_model.save_pretrained(tmp, safe_serialization=True)
             if tokenizer:
                 _right_padded(tokenizer, plan.pad_token_id).save_pretrained(tmp)
@@ -120,6 +149,11 @@ def export_transformers(
                 "verified": {"atol": atol, "max_abs_diff": diff, "padding": "right"},
             }
             description["files"] = sorted([*(p.name for p in tmp.iterdir()), SIDECAR])
+            card = _card(model, name, plan, type(task_model).__name__, diff, atol, directory)
+            sha = write_export_card(tmp, Path(directory), Path(directory, SIDECAR), card)
+            if sha is not None:
+                description[EXPORT_CARD] = sha
+            description["files_sha256"] = files_sha256(tmp, SIDECAR)
             write_json(tmp / SIDECAR, description)
     finally:
         model.train(was_training)
@@ -368,3 +402,13 @@ def _verify(model: HeadedModel, name: str, folder: Path, plan: _Plan, atol: floa
                 f"{tuple(batch['input_ids'].shape)}; nothing was written: {_ALTERNATIVES}"
             )
     return worst
+
+
+def _check_target(directory: Path, overwrite: bool, **options: Any) -> None:
+    """``headkit.export``'s check before anything is loaded or built: ``atol``, and the folder
+    (``exporting.check_export_target``)."""
+    check_atol(options.get("atol", 1e-4))
+    check_export_target(directory, SIDECAR, overwrite, "transformers export")
+
+
+export_transformers.check_target = _check_target  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ rather than train towards -100 (use ``masked_mse``). Metrics skip it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +52,9 @@ class LossSpec:
     must be in [0, 1] (the head's output activation must give them). ``metric``: which
     metrics fit: "classification" (class indices, the default with ``classes``), else
     "regression" (the default) or "binary". ``threshold``: the decision threshold of binary
-    predictions.
+    predictions. ``zeroes_ignored`` (class losses): ``fn`` itself returns an exact 0 where the
+    label is -100 (as ``F.cross_entropy(..., ignore_index=-100)`` does), so the loss needs no
+    mask of its own (otherwise the skipped elements are set to 0 after ``fn``).
     """
 
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,8 +64,14 @@ class LossSpec:
     needs_probabilities: bool = False
     metric: str | None = None
     threshold: float | None = None
+    zeroes_ignored: bool = False
 
     def __post_init__(self) -> None:
+        if self.zeroes_ignored and not self.classes:
+            raise ConfigError(
+                "LossSpec: zeroes_ignored=True is only read for class losses (classes=True); "
+                "a value loss's skipped elements are always masked"
+            )
         if self.metric is None:
             object.__setattr__(self, "metric", "classification" if self.classes else "regression")
         if self.metric not in ("classification", "binary", "regression"):
@@ -88,6 +96,7 @@ LOSSES.register(
         lambda p, y: F.cross_entropy(p, y, reduction="none", ignore_index=IGNORE_INDEX),
         classes=True,
         ignores_minus_100=True,
+        zeroes_ignored=True,
     ),
 )
 LOSSES.register("mse", LossSpec(lambda p, y: F.mse_loss(p, y, reduction="none")))
@@ -310,30 +319,119 @@ def head_loss(
 
     preds: (batch, n) for sequence heads, (batch, seq, n) otherwise. The loss is the mean over
     the label elements that count; when nothing counts it is an exact zero that still belongs
-    to the graph.
+    to the graph. (``count_labels`` then ``counted_loss``; ``head_losses`` shares the first
+    among heads.)
     """
+    return counted_loss(cfg, preds, count_labels(cfg, preds, labels, attention_mask, check))
+
+
+def head_losses(
+    configs: Mapping[str, HeadConfig],
+    preds: Mapping[str, torch.Tensor],
+    labels: Mapping[str, Any],
+    masks: Mapping[str, torch.Tensor | None],
+    check: bool = True,
+) -> dict[str, torch.Tensor]:
+    """``head_loss`` of every head that has a loss and a label (``labels`` by target,
+    ``masks`` by head), the labels counted once for all the heads that read them alike.
+
+    Heads that read one target with the same label rule, mask and prediction shape share one
+    ``count_labels`` (its checks, masks and count of what counts): a head adds only its own
+    loss, whatever the number of heads.
+    """
+    shared: dict[tuple, CountedLabels] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, cfg in configs.items():
+        y = labels.get(cfg.target)
+        if y is None or cfg.loss_fct is None:
+            continue
+        p, mask = preds[name], masks.get(name)
+        key = _sharing_key(cfg, p, mask, check)
+        counted = shared.get(key)
+        if counted is None:
+            counted = shared[key] = count_labels(cfg, p, y, mask, check)
+        out[name] = counted_loss(cfg, p, counted)
+    return out
+
+
+def _sharing_key(cfg: HeadConfig, preds: torch.Tensor, mask: Any, check: bool) -> tuple:
+    """What ``count_labels`` depends on besides the labels of ``cfg.target``: heads with equal
+    keys get the same ``CountedLabels`` (the mask by identity: one object per stack)."""
+    rule = label_rule(cfg)
     spec: LossSpec = LOSSES.get(cfg.loss_fct)
+    pads = cfg.ignore_pads if rule.skips_padding else None
+    shape = (tuple(preds.shape), preds.device)
+    return (cfg.target, id(mask), rule, pads, shape, spec.target_range, check)
+
+
+@dataclass
+class CountedLabels:
+    """A target's labels, made ready for the loss of every head that reads them alike.
+
+    ``target``: what the loss function gets, aligned with the predictions (after the causal
+    shift): class indices (N,) with -100 where nothing counts, or values of the predictions'
+    shape with 0 where nothing counts. ``counts``: (N,) booleans, the label elements that count
+    (None: every one does). ``total``: how many count, at least 1 (float32, the mean's
+    denominator). ``shift``: the predictions lose their last position first.
+    """
+
+    target: torch.Tensor
+    counts: torch.Tensor | None
+    total: torch.Tensor
+    shift: bool
+    _skipped: torch.Tensor | None = field(default=None, repr=False)
+
+    def skipped(self) -> torch.Tensor | None:
+        """(N,) True where nothing counts (None: every element counts); computed once, when a
+        head first needs it (not ``functools.cached_property``: its lock stops torch.compile)."""
+        if self._skipped is None and self.counts is not None:
+            self._skipped = ~self.counts
+        return self._skipped
+
+
+def count_labels(
+    cfg: HeadConfig,
+    preds: torch.Tensor,
+    labels: Any,
+    attention_mask: torch.Tensor | None,
+    check: bool = True,
+) -> CountedLabels:
+    """Check ``labels`` for the head ``cfg`` (predictions of ``preds``' shape: only its shape
+    and device are read) and count which elements count (``counted_positions``, -100)."""
     labels = fit_labels(cfg, preds, labels_as_tensor(labels, preds.device, _where(cfg)))
-    preds, labels, valid = counted_positions(cfg, preds, labels, attention_mask)
+    _, labels, valid = counted_positions(cfg, preds, labels, attention_mask)
     rule = label_rule(cfg)
     if rule.classes:
-        per, weights = _class_loss(cfg, spec, rule, preds, labels, valid, check)
+        return _count_classes(cfg, rule, preds.shape[-1], labels, valid, check)
+    every = rule.ignore_index is None and not (rule.skips_padding and attention_mask is not None)
+    return _count_values(cfg, rule, labels, valid, every, check)
+
+
+def counted_loss(cfg: HeadConfig, preds: torch.Tensor, counted: CountedLabels) -> torch.Tensor:
+    """The head's mean loss over what counts: its own work only (the loss function, a mask
+    where it does not zero what is skipped itself, a sum and a division)."""
+    spec: LossSpec = LOSSES.get(cfg.loss_fct)
+    if counted.shift:  # position t predicts token t+1
+        preds = preds[:, :-1]
+    if spec.classes:
+        per = spec.fn(preds.reshape(-1, preds.shape[-1]).float(), counted.target)
+        zeroed = spec.zeroes_ignored
     else:
-        per, weights = _value_loss(cfg, spec, rule, preds, labels, valid, check)
-    per = torch.where(weights > 0, per, torch.zeros_like(per))
-    return per.sum() / weights.sum().clamp(min=1)
+        per = spec.fn(preds.float(), counted.target).reshape(-1)
+        zeroed = False
+    if counted.counts is not None and not zeroed:
+        per = per.masked_fill(counted.skipped(), 0)
+    return per.sum() / counted.total
 
 
-def _class_loss(
+def _count_classes(
     cfg: HeadConfig,
-    spec: LossSpec,
     rule: LabelRule,
-    preds: torch.Tensor,
+    n_out: int,
     labels: torch.Tensor,
     valid: torch.Tensor,
     check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    n_out = preds.shape[-1]
+) -> CountedLabels:
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise BatchError(
             f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs integer class indices, got "
@@ -349,24 +447,25 @@ def _class_loss(
             f"{_where(cfg)}: class index {value} is out of range for num_outputs={n_out}; "
             f"allowed: 0..{n_out - 1} (or {IGNORE_INDEX} to ignore)"
         )
-    target = torch.where(valid, labels, IGNORE_INDEX)
-    per = spec.fn(preds.reshape(-1, n_out).float(), target.reshape(-1))
-    return per, valid.reshape(-1).to(per.dtype)
+    target = torch.where(valid, labels, IGNORE_INDEX).reshape(-1)
+    counts = valid.reshape(-1)
+    return CountedLabels(target, counts, _total(counts), rule.shift)
 
 
-def _value_loss(
+def _count_values(
     cfg: HeadConfig,
-    spec: LossSpec,
     rule: LabelRule,
-    preds: torch.Tensor,
     labels: torch.Tensor,
     valid: torch.Tensor,
+    every: bool,
     check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> CountedLabels:
+    """``every``: every position is valid and -100 is not skipped (so every element counts)."""
     if not (labels.dtype.is_floating_point or labels.dtype in _NUMERIC):
         raise BatchError(
             f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs numeric labels, got {labels.dtype}"
         )
+    spec: LossSpec = LOSSES.get(cfg.loss_fct)
     labels = labels.to(rule.dtype)
     counts = valid.unsqueeze(-1).expand_as(labels)
     ignored = labels == IGNORE_INDEX
@@ -391,9 +490,16 @@ def _value_loss(
                 f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs targets in [{lo:g}, {hi:g}], "
                 f"got {float(labels[outside][0])}"
             )
+    flat = counts.reshape(-1)
+    if every:
+        return CountedLabels(labels, None, _total(flat), rule.shift)
     safe = torch.where(counts, labels, torch.zeros_like(labels))
-    per = spec.fn(preds.float(), safe).reshape(-1)
-    return per, counts.reshape(-1).to(per.dtype)
+    return CountedLabels(safe, flat, _total(flat), rule.shift)
+
+
+def _total(counts: torch.Tensor) -> torch.Tensor:
+    """How many elements count, at least 1 (the denominator of a head's mean loss)."""
+    return counts.to(torch.float32).sum().clamp(min=1)
 
 
 _NUMERIC = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool}

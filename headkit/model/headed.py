@@ -33,17 +33,18 @@ from ..backbone.inputs import (
     split_inputs,
 )
 from ..backbone.inspection import BackboneInfo, base_model_of, inspect_backbone, prepare_tracing
-from ..backbone.sources import BackboneSource, transformers_model_of
+from ..backbone.sources import BackboneSource, loaded_from, transformers_model_of
 from ..backbone.tying import init_lm_head, tied_head_weights
 from ..checkpoint import restore, save_checkpoint
 from ..config import HeadConfig
+from ..distributed import ranks
 from ..distributed.parallel import freeze_unreached, inside_strict_ddp, join_idle
 from ..distributed.placement import head_devices, loss_device
 from ..distributed.sharding import is_sharded, save_sharded
 from ..errors import BatchError, CheckpointError, ConfigError
 from ..generation.generate import HeadedGenerationMixin
 from ..heads.base import HeadDict, build_head, get_submodule_by_name
-from ..losses.objective import head_loss, target_rules
+from ..losses.objective import head_losses, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
 from .guards import NonFiniteGuard, ValueChecks
 from .head_inputs import (
@@ -55,8 +56,9 @@ from .head_inputs import (
     resolve_config,
     state_key,
 )
-from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
-from .pretrained import PreTrainedConveniences, hide_head_dicts_from_trainer
+from .labels import loss_heads, route_labels, say_no_targets, unused_targets
+from .pretrained import PreTrainedConveniences, hide_head_dicts_from_trainer, name_classes
+from .rates import RateWatch
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
 DEFAULT_MAX_HEAD_PARAMETERS = 2**31
@@ -154,11 +156,13 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         adopt_adapters(model, self.backbone)  # adapters only inside the backbone
         self.info: BackboneInfo = inspect_backbone(self.backbone, layers_path)
         self.layers_path = layers_path
-        self.source = source
+        # a model from_pretrained loaded, still as its files hold it: referenced, not copied
+        self.source = source if source is not None else loaded_from(model)
         self.early_exit = early_exit
         self.check_inputs = check_inputs
         self._value_checks = ValueChecks()  # on accelerators: once per batch signature
         self._guard = NonFiniteGuard()  # the non-finite loss guard (sync-free on CUDA)
+        self._rate_watch = RateWatch()  # warns once when fresh heads barely move (rates.py)
         self.nonfinite_loss = nonfinite_loss
         self.allow_unused_labels = bool(allow_unused_labels)
         self.max_head_parameters = _check_budget(max_head_parameters)
@@ -199,11 +203,11 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         else:
             freeze_unreached(self)
         hide_head_dicts_from_trainer(self.backbone.config)
+        name_classes(self.backbone.config, self.head_configs)  # pipelines' labels
         layers = set(self._layer_of_head.values())
         prepare_tracing(self.backbone, self.info, layers)  # capture hooks for torch.compile
         self.set_loss_weighting(loss_weighting)
-        # ``model.forward`` advertises the heads' targets (see labels.ForwardWithTargets).
-        self.forward = ForwardWithTargets(type(self).forward, self)
+        self._said_no_targets = False  # labels.say_no_targets: once per model
 
     # ------------------------------------------------------------------ construction
     def _resolve(self, cfg: HeadConfig) -> HeadConfig:
@@ -314,22 +318,27 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        **labels: Any,
+        labels: Any = None,
+        **targets: Any,
     ) -> HeadedModelOutput | tuple:
         """Run the backbone (only as deep as needed), every head, and the losses.
 
-        ``labels`` are passed by each head's ``target``; a head without its label gets no
-        loss. Padding comes from ``attention_mask`` (no mask: every token counts); with a
-        KV cache the mask may cover ``past + new`` positions, as in generation.
-        ``labels={target: tensor, ...}`` (a mapping) is accepted too: it is what HF Trainer
-        recognises as the batch's labels (it looks for a key named "labels").
+        Labels come as ``labels={target: tensor, ...}`` (what ``HeadedCollator`` makes, the
+        key HF Trainer recognises as the batch's labels), as ``labels=tensor`` for the one
+        head with a loss, or as keyword targets (``model(**batch, sentiment=y)``) in
+        ``**targets``, which also takes the backbone's own inputs (``pixel_values``, ...).
+        A head without its label gets no loss. Padding comes from ``attention_mask`` (no
+        mask: every token counts); with a KV cache the mask may cover ``past + new``
+        positions, as in generation.
         The output is a ``HeadedModelOutput``; ``return_dict=False`` gives its
         ``to_tuple()`` instead (its fields that are not None, in order), as transformers
         models do when it is passed (the backbone config's ``return_dict`` is not read).
         """
         self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
-        extra, labels = split_inputs(self.info, labels)  # pixel_values, input_values, ...
-        labels = self._route_labels(labels)
+        if self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._rate_watch.observe(self)  # a learning rate too low for fresh heads: warn once
+        extra, targets = split_inputs(self.info, targets)  # pixel_values, input_values, ...
+        labels = self._route_labels(targets if labels is None else {**targets, "labels": labels})
         given = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -391,6 +400,11 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                 "loss_fct=None; remove them from the batch, give the head a loss, or build "
                 "the model with allow_unused_labels=True"
             )
+        quiet = self._said_no_targets or not (self.training and torch.is_grad_enabled())
+        quiet = quiet or torch.compiler.is_compiling()  # no logging inside a graph
+        if not given and not quiet and loss_heads(self.head_configs):  # a Trainer dropped them?
+            self._said_no_targets = True
+            say_no_targets(self.head_configs)
         return labels
 
     def head_inputs(
@@ -411,13 +425,10 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Each head's loss, for the heads that have a loss and a label in ``labels``
         (``check``: validate the labels' values on the host; ``mask``: one for all heads, or
-        each head's)."""
-        losses: dict[str, torch.Tensor] = {}
-        for name, cfg in self.head_configs.items():
-            y = labels.get(cfg.target)
-            if y is not None and cfg.loss_fct is not None:
-                losses[name] = head_loss(cfg, preds[name], y, mask_of(mask, name), check)
-        return losses
+        each head's). Labels are checked and counted once for the heads that read them alike
+        (``losses.objective.head_losses``)."""
+        masks = {name: mask_of(mask, name) for name in self.head_configs}
+        return head_losses(self.head_configs, preds, labels, masks, check)
 
     def combine_losses(
         self, losses: dict[str, torch.Tensor]
@@ -429,14 +440,43 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
+    def save_pretrained(
+        self, save_directory: str | PathLike, *, main_process_only: bool = True, **kwargs: Any
+    ) -> None:
         """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
         backbone carries one, and, unless frozen and unchanged since loading, the backbone.
-        A model sharded with FSDP2 is saved by every rank together (``sharding.save_sharded``:
-        rank 0 writes full tensors)."""
+
+        Under a process group of several ranks the save is collective: every rank calls it,
+        rank 0 writes, and every rank returns once it is written (a failure on rank 0 is
+        raised on every rank). A model sharded with FSDP2 is saved so always
+        (``sharding.save_sharded``: rank 0 writes full tensors). ``main_process_only=False``:
+        this process writes the whole checkpoint alone, whatever its rank, with no collective
+        (a save only one rank makes, as HeadedTrainer's on rank 0, or one folder per rank)."""
+        if not isinstance(main_process_only, bool):
+            raise ConfigError(
+                f"main_process_only={main_process_only!r:.80} is invalid; True (under a "
+                "process group: rank 0 writes, every rank waits) or False (this process "
+                "writes alone)"
+            )
         if is_sharded(self):
+            if not main_process_only:
+                raise ConfigError(
+                    "main_process_only=False: a model sharded with FSDP2 is saved by every "
+                    "rank together (rank 0 writes the full tensors); call it on every rank"
+                )
             return save_sharded(self, save_directory, **kwargs)
-        save_checkpoint(self, save_directory, **kwargs)
+        rank, world = ranks.current(init=False)
+        if world == 1 or not main_process_only:
+            save_checkpoint(self, save_directory, **kwargs)
+            return None
+        error = None
+        if rank == 0:
+            try:
+                save_checkpoint(self, save_directory, **kwargs)
+            except BaseException as e:  # every rank must hear of it (ranks.agree)
+                error = e
+        ranks.agree(error, f"saving {str(save_directory)!r}")
+        return None
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:

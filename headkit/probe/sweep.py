@@ -47,7 +47,14 @@ from .data import (
     prepare_rows,
     split_rows,
 )
-from .fit import DEFAULT_L2, bootstrap_interval, check_penalties, fit_and_score, standardise
+from .fit import (
+    DEFAULT_L2,
+    bootstrap_interval,
+    check_penalties,
+    fit_and_score,
+    fit_threads,
+    standardise,
+)
 from .results import ProbeResults, ProbeRow
 
 #: Bytes of features and probe activations handled at once (problems are chunked to fit).
@@ -120,9 +127,10 @@ def probe_layers(
     lap("features")
     test_from = None if given is None else n_examples  # examples from here on: the given split
     split = split_rows(rows, test_fraction, val_fraction, val_splits, seed, test_from)
-    y, penalties, scores = _score(
-        features, rows, split, control, seed, l2, max_iter, tol, bootstrap, progress
-    )
+    with fit_threads():  # small matrices: one thread, never oversubscribed (fit.py)
+        y, penalties, scores = _score(
+            features, rows, split, control, seed, l2, max_iter, tol, bootstrap, progress
+        )
     lap("probes")
     baseline = _baseline(y[0], split, rows.classes is None)
     return ProbeResults(
