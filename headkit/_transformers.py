@@ -46,6 +46,7 @@ __all__ = [
     "cache_of",
     "can_record_outputs",
     "convert_file_size_to_int",
+    "default_logging_level",
     "feat_extract_output_lengths",
     "feature_vector_attention_mask",
     "hooks_inside_checkpoint",
@@ -56,6 +57,7 @@ __all__ = [
     "model_output",
     "records_hidden_states",
     "resized_lm_head",
+    "revert_weight_conversion",
     "slice_logits_to_keep",
 ]
 
@@ -199,3 +201,20 @@ def image_processor(source: str, **kwargs: Any) -> Any:
         if pil is None:
             raise
         return pil.from_pretrained(source, **kwargs)
+
+
+def revert_weight_conversion(model: nn.Module, state: dict) -> dict:
+    """``state`` (``model``'s tensors) under the names ``save_pretrained`` writes:
+    transformers renames some families' weights when loading and back when saving
+    (``core_model_loading``); where it has no such step, the names are as saved."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion as revert
+    except ImportError:
+        return state
+    return revert(model, state)
+
+
+def default_logging_level() -> int:
+    """transformers' default verbosity (``TRANSFORMERS_VERBOSITY`` or warning)."""
+    find = getattr(logging, "_get_default_logging_level", None)
+    return find() if find is not None else logging.WARNING

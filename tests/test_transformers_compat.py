@@ -36,6 +36,7 @@ PROVIDED = {
     "cache_of",
     "can_record_outputs",
     "convert_file_size_to_int",
+    "default_logging_level",
     "feat_extract_output_lengths",
     "feature_vector_attention_mask",
     "hooks_inside_checkpoint",
@@ -46,6 +47,7 @@ PROVIDED = {
     "model_output",
     "records_hidden_states",
     "resized_lm_head",
+    "revert_weight_conversion",
     "slice_logits_to_keep",
 }
 
@@ -54,6 +56,7 @@ PRIVATE_NAMES = {
     "_CAN_RECORD_REGISTRY",
     "_can_record_outputs",
     "_get_feat_extract_output_lengths",
+    "_get_default_logging_level",
     "_get_feature_vector_attention_mask",
     "_get_resized_lm_head",
     "_model_mapping",

@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel
 
+from .._transformers import revert_weight_conversion
 from ..errors import CheckpointError, ConfigError, HeadkitError
 from .fingerprint import LoadStamp, files_fingerprint, tensors_fingerprint, weight_files
 from .inspection import base_model_of
@@ -221,10 +222,6 @@ def _saved_names(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """``model``'s tensors under the names ``save_pretrained`` writes (transformers renames
     some families' weights when loading, and back when saving)."""
     state = model.state_dict()
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # an older transformers: names are as saved
-        return state
     return revert_weight_conversion(model, dict(state))
 
 

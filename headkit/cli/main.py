@@ -179,9 +179,9 @@ def _quiet_environment() -> Iterator[None]:
             os.environ["TRANSFORMERS_VERBOSITY"] = saved
         hub_logger.setLevel(hub_level)
         if "transformers" in sys.modules:  # imported by the command: as it would have been
-            from transformers.utils import logging
+            from .._transformers import default_logging_level, logging
 
-            logging.set_verbosity(logging._get_default_logging_level())
+            logging.set_verbosity(default_logging_level())
             if not hub_off:
                 logging.enable_progress_bar()  # turns huggingface_hub's on as well
         elif not hub_off:
