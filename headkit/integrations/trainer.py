@@ -34,7 +34,15 @@ What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds
   ``{target: array}`` (one array each for a model with one trained head), and heads missing
   from some batches' labels still concatenate;
 * a training batch whose every loss was left out (``nonfinite_loss="skip"``) is skipped
-  (no update) and counted in the logs as ``skipped_batches``.
+  (no update) and counted in the logs as ``skipped_batches``;
+* TRL's reward data trains reward heads as ``RewardTrainer`` / ``PRMTrainer`` would
+  (``docs/rewards.md``): a dataset of preference pairs (``chosen`` / ``rejected``, texts or
+  conversations, or tokenised) is tokenised as RewardTrainer does (``data/preferences.py``)
+  and batched by ``PreferenceCollator``; stepwise supervision (``prompt``, ``completions``,
+  ``labels``) as PRMTrainer does (``data/stepwise.py``), for the model's token head. TRL's own
+  ``RewardConfig`` / ``PRMConfig`` may be passed as ``args``: their ``max_length``,
+  ``step_separator``, ``max_completion_length`` and ``train_on_last_step_only`` are read
+  (plain ``TrainingArguments``: no length limit, separator "\n").
 
 Under ``torchrun`` Trainer runs DDP itself; only rank 0 writes checkpoints. With
 ``TrainingArguments(fsdp=...)`` (accelerate's FSDP: CUDA and other accelerators; on the CPU
@@ -44,6 +52,7 @@ Trainer gathers.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import warnings
@@ -57,6 +66,13 @@ from transformers import Trainer, TrainerCallback
 from ..checkpoint import MANIFEST, restore
 from ..checkpoint.card import refresh_card
 from ..data.collator import HeadedCollator
+from ..data.preferences import (
+    PreferenceCollator,
+    is_preference_data,
+    pair_columns,
+    tokenize_preferences,
+)
+from ..data.stepwise import STEP_SEPARATOR, is_stepwise_data, step_head, tokenize_stepwise
 from ..errors import ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
 from ..model.labels import loss_heads, route_labels, without_unused_labels
@@ -83,11 +99,21 @@ class HeadedTrainer(Trainer):
                 f"HeadedTrainer: model={type(model).__name__} is invalid; a HeadedModel "
                 "(use transformers.Trainer for other models)"
             )
+        # Trainer's positional order: train_dataset, eval_dataset, processing_class, ...
+        names = list(inspect.signature(Trainer.__init__).parameters)[4 : 4 + len(rest)]
+        kwargs = {**dict(zip(names, rest)), **kwargs}
+        tokenizer = kwargs.get("processing_class")
+        self._reward_data: str | None = None
+        self._pair_columns: list[str] = []
+        for key, is_eval in (("train_dataset", False), ("eval_dataset", True)):
+            if kwargs.get(key) is not None:
+                kwargs[key] = self._reward_dataset(kwargs[key], model, tokenizer, args, is_eval)
         if data_collator is None:
-            # Trainer's positional order: train_dataset, eval_dataset, processing_class, ...
-            tokenizer = kwargs.get("processing_class", rest[2] if len(rest) > 2 else None)
-            data_collator = HeadedCollator(model, tokenizer)
-        super().__init__(model, args, data_collator, *rest, **kwargs)
+            if self._reward_data == "pairs":
+                data_collator = PreferenceCollator(model, tokenizer)
+            else:
+                data_collator = HeadedCollator(model, tokenizer)
+        super().__init__(model, args, data_collator, **kwargs)
         if self.args.label_smoothing_factor:
             # Trainer would pop batch["labels"] and smooth outputs["logits"], which a
             # HeadedModel does not have: each head computes its own loss.
@@ -106,6 +132,76 @@ class HeadedTrainer(Trainer):
         self._head_loss_sums: torch.Tensor | None = None
         self.skipped_batches = 0
         self.add_callback(_DropIdleGradients(self))
+
+    # ------------------------------------------------------------------ reward data
+    def _reward_dataset(
+        self, data: Any, model: Any, tokenizer: Any, args: Any, is_eval: bool
+    ) -> Any:
+        """TRL's preference or stepwise data tokenised as its trainers do; other data (and a
+        dict of eval datasets, each in turn) as it is."""
+        if isinstance(data, Mapping):
+            return {
+                k: self._reward_dataset(v, model, tokenizer, args, is_eval) for k, v in data.items()
+            }
+        columns = getattr(data, "column_names", None)
+        if columns is None and isinstance(data, list) and data and isinstance(data[0], Mapping):
+            columns = list(data[0])
+        if not columns:
+            return data
+        heads = model.head_configs
+        if is_preference_data(columns, heads):
+            kind = "pairs"
+        elif is_stepwise_data(columns):
+            kind = "steps"
+        else:
+            return data
+        if self._reward_data not in (None, kind):
+            raise ConfigError(
+                "HeadedTrainer: the train and eval datasets must both be preference pairs or "
+                "both stepwise supervision"
+            )
+        self._reward_data = kind
+        if tokenizer is None:
+            raise ConfigError(
+                f"HeadedTrainer: {'preference' if kind == 'pairs' else 'stepwise'} data is "
+                "tokenised by the trainer: pass processing_class=tokenizer, as to TRL's trainers"
+            )
+        max_length = getattr(args, "max_length", None)
+        if kind == "pairs":
+            out = tokenize_preferences(data, tokenizer, heads, max_length=max_length)
+            self._pair_columns = pair_columns(heads, columns)
+            return out
+        return tokenize_stepwise(
+            data,
+            tokenizer,
+            heads[step_head(heads)].target,
+            is_eval=is_eval,
+            step_separator=getattr(args, "step_separator", STEP_SEPARATOR),
+            max_length=max_length,
+            max_completion_length=getattr(args, "max_completion_length", None),
+            train_on_last_step_only=getattr(args, "train_on_last_step_only", False),
+        )
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """Trainer's columns, plus the tokenised pairs ``PreferenceCollator`` reads."""
+        super()._set_signature_columns_if_needed()
+        if self._pair_columns:
+            self._signature_columns = [*self._signature_columns, *self._pair_columns]
+
+    def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Trainer's evaluate; TRL-format data passed here is tokenised as in ``__init__``."""
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = self._reward_dataset(
+                eval_dataset, self._headed(), self.processing_class, self.args, True
+            )
+        return super().evaluate(eval_dataset, *args, **kwargs)
+
+    def predict(self, test_dataset: Any, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's predict; TRL-format data is tokenised as in ``__init__``."""
+        test_dataset = self._reward_dataset(
+            test_dataset, self._headed(), self.processing_class, self.args, True
+        )
+        return super().predict(test_dataset, *args, **kwargs)
 
     # ------------------------------------------------------------------ training
     def compute_loss(
