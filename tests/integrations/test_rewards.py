@@ -7,6 +7,7 @@ each step's batch equals TRL's, and the held-out pairwise accuracy is within 0.0
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import pytest
@@ -16,8 +17,11 @@ from datasets import Dataset
 from tiny_text import WORDS, tiny_tokenizer
 from transformers import TrainingArguments
 from trl import RewardConfig, RewardTrainer
-from trl.experimental.prm import PRMConfig, PRMTrainer
 
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # PRMTrainer lives in trl.experimental
+from trl.experimental.prm import PRMConfig, PRMTrainer  # noqa: E402
+
+import headkit
 from headkit import HeadConfig, HeadedModel, HeadedTrainer
 from headkit.data.preferences import PreferenceCollator, tokenize_preferences
 from headkit.data.stepwise import step_end_scores, step_scores, tokenize_steps
@@ -363,3 +367,50 @@ def test_generate_gives_the_prm_score_at_each_generated_separator():
         assert [t for t, _ in found[r]] == [t for t, _ in expected]
         assert [s for _, s in found[r]] == pytest.approx([s for _, s in expected], abs=1e-5)
     assert found[0]
+
+
+# ---------------------------------------------------------------------- export
+def test_orm_exports_as_a_sequence_classifier_with_one_label_and_identical_scores(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    _, ours = twin_reward_models()
+    with torch.no_grad():
+        ours.heads["reward"].output_projection().weight.normal_()
+    tok = tokenizer()
+    done = headkit.export(ours, tmp_path / "rm", format="transformers", tokenizer=tok)
+    assert done.model_class == "BertForSequenceClassification"
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    assert rm.config.num_labels == 1
+    batch = tok(["w1 good w2", "w3 w4 w5 w6 w7"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        theirs = rm(**batch).logits
+        mine = ours(**batch).preds_by_head["reward"]
+    torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)
+
+
+def test_decoder_orm_and_prm_export_where_they_map_and_are_refused_with_the_reason(tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    heads = [
+        HeadConfig("orm", pred_for_sequence=True, loss_fct="bradley_terry", pooling="last"),
+        HeadConfig("prm", num_outputs=2, output_bias=True),
+        HeadConfig("early", layer_hook=1, pred_for_sequence=True, loss_fct="bradley_terry"),
+    ]
+    model = HeadedModel(build_tiny("llama", 2), heads)
+    with pytest.raises(ConfigError, match="pad_token_id=2 is also the eos id"):
+        headkit.export(model, tmp_path / "orm", format="transformers", head="orm")
+    done = headkit.export(
+        model, tmp_path / "orm", format="transformers", head="orm", pad_token_id=0
+    )
+    assert done.model_class == "LlamaForSequenceClassification" and done.max_abs_diff < 1e-5
+    done = headkit.export(model, tmp_path / "prm", format="transformers", head="prm")
+    prm = AutoModelForTokenClassification.from_pretrained(tmp_path / "prm").eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            prm(input_ids=ids).logits, model(input_ids=ids).preds_by_head["prm"], atol=1e-5, rtol=0
+        )
+    with pytest.raises(ConfigError, match="reads layer_hook=1"):
+        headkit.export(
+            model, tmp_path / "early", format="transformers", head="early", pad_token_id=0
+        )
