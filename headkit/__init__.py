@@ -58,6 +58,10 @@ _LAZY: dict[str, str] = {
     "shard": "model.sharding",
     "to_sentence_transformer": "integrations.sentence_transformers",
     "train_heads_on_features": "features",
+    "PreferenceCollator": "data.preferences",
+    "preference_labels": "losses.pairwise",
+    "step_scores": "data.stepwise",
+    "step_end_scores": "data.stepwise",
 }
 
 # What a user needs. Importable by name but not here: HeadedTrainer (importing it imports
@@ -86,6 +90,7 @@ __all__ = [
     "MLPHead",
     "NonFiniteLossError",
     "PoolingStrategy",
+    "PreferenceCollator",
     "ProbeResults",
     "ProbeRow",
     "cache_features",
@@ -97,9 +102,12 @@ __all__ = [
     "load_headed",
     "load_lora_with_heads",
     "predict_on_features",
+    "preference_labels",
     "print_trainable_parameters",
     "probe_layers",
     "shard",
+    "step_end_scores",
+    "step_scores",
     "to_sentence_transformer",
     "train_heads_on_features",
 ]

@@ -308,6 +308,7 @@ def evaluation_batches(
 
             collator = HeadedCollator(model)
         own = getattr(getattr(model, "info", None), "extra_inputs", ())
+        own = (*own, *getattr(collator, "columns", ()))  # e.g. PreferenceCollator's pairs
         data = keep_model_columns(data, model.head_configs, "evaluate_head_wise", own)
         loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collator)
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:

@@ -240,6 +240,15 @@ class PreferenceCollator:
             pad_to_multiple_of=pad_to_multiple_of,
         )
 
+    @property
+    def columns(self) -> list[str]:
+        """Every column this collator may read (texts, tokenised pairs, margins, prompts), so
+        that ``evaluate_head_wise`` keeps them."""
+        names = ["chosen", "rejected", "prompt", "margin", "tools", "chat_template_kwargs"]
+        names += [n for pair in TOKENIZED_PAIRS for n in pair]
+        own = [f"{t}_{n}" for t in pairwise_targets(self._configs) for n in names]
+        return names + own
+
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Pad the pairs of ``features`` into one batch with each reward head's labels."""
         if not isinstance(features, Sequence) or not features:

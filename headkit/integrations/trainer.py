@@ -42,7 +42,8 @@ What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds
   ``labels``) as PRMTrainer does (``data/stepwise.py``), for the model's token head. TRL's own
   ``RewardConfig`` / ``PRMConfig`` may be passed as ``args``: their ``max_length``,
   ``step_separator``, ``max_completion_length`` and ``train_on_last_step_only`` are read
-  (plain ``TrainingArguments``: no length limit, separator "\n").
+  (plain ``TrainingArguments``: no length limit, separator "\\n"), and their
+  ``disable_dropout=True`` (TRL's default) sets every dropout of the model to 0, as TRL does.
 
 Under ``torchrun`` Trainer runs DDP itself; only rank 0 writes checkpoints. With
 ``TrainingArguments(fsdp=...)`` (accelerate's FSDP: CUDA and other accelerators; on the CPU
@@ -108,6 +109,10 @@ class HeadedTrainer(Trainer):
         for key, is_eval in (("train_dataset", False), ("eval_dataset", True)):
             if kwargs.get(key) is not None:
                 kwargs[key] = self._reward_dataset(kwargs[key], model, tokenizer, args, is_eval)
+        if getattr(args, "disable_dropout", False):  # TRL's RewardConfig / PRMConfig
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         if data_collator is None:
             if self._reward_data == "pairs":
                 data_collator = PreferenceCollator(model, tokenizer)
