@@ -132,6 +132,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, not in __all__)
     from .config import HeadConfig
     from .data.collator import HeadedCollator
+    from .data.preferences import PreferenceCollator
+    from .data.stepwise import step_end_scores, step_scores
     from .deploy import export
     from .errors import (
         BatchError,
@@ -162,6 +164,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, no
     )
     from .loading import load_headed
     from .losses.objective import LOSSES, LossSpec
+    from .losses.pairwise import preference_labels
     from .losses.weighting import WEIGHTINGS, LossWeighting
     from .metrics import HeadwiseMetrics, evaluate_head_wise
     from .model.generation import HeadedGenerateOutput

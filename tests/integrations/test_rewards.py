@@ -245,6 +245,8 @@ def test_preference_data_errors():
                 {"chosen_ids": [2], "rejected_ids": [3]},
             ]
         )
+    with pytest.raises(BatchError, match="there is no tokenizer"):
+        collate([{"chosen": "w1", "rejected": "w2"}])
     with pytest.raises(ConfigError, match="no reward head"):
         PreferenceCollator(
             HeadedModel(build_tiny("bert", 1), [HeadConfig("x", pred_for_sequence=True)])
@@ -414,3 +416,28 @@ def test_decoder_orm_and_prm_export_where_they_map_and_are_refused_with_the_reas
         headkit.export(
             model, tmp_path / "early", format="transformers", head="early", pad_token_id=0
         )
+
+
+def test_stepwise_and_prm_errors():
+    tok = tokenizer()
+    with pytest.raises(BatchError, match="3 completions but 2 labels"):
+        tokenize_steps({"prompt": "w1", "completions": ["w2", "w3", "w4"], "labels": [1, 0]}, tok)
+    with pytest.raises(BatchError, match="has no 'completions'"):
+        tokenize_steps({"prompt": "w1", "labels": [1]}, tok)
+    two = HeadedModel(build_tiny("bert", 1), [HeadConfig("a", num_outputs=2), HeadConfig("b")])
+    with pytest.raises(ConfigError, match="the model has 2"):
+        step_scores(two, tok, "w1", ["w2"])
+    with pytest.raises(ConfigError, match="separator_ids is empty"):
+        step_end_scores(object(), [], "prm")
+
+
+def test_pairwise_heads_do_not_train_on_cached_features():
+    from headkit import cache_features, train_heads_on_features
+
+    model = HeadedModel(
+        build_tiny("bert", 1), [HeadConfig("r", pred_for_sequence=True, loss_fct="bradley_terry")]
+    )
+    rows = [{"input_ids": [2, 5, 6, 3], "r": 1.0}, {"input_ids": [2, 7, 3], "r": 0.0}]
+    feats = cache_features(model, rows, batch_size=2, progress=False)
+    with pytest.raises(ConfigError, match="shuffles rows"):
+        train_heads_on_features(model, feats)
