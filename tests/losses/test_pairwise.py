@@ -130,3 +130,10 @@ def test_center_rewards_coefficient_round_trips_through_json():
     cfg = reward_head(center_rewards_coefficient=0.01)
     assert HeadConfig.from_json(cfg.to_json()) == cfg
     assert "center_rewards_coefficient" not in reward_head().to_dict()
+
+
+def test_bool_and_integer_labels_read_as_their_float_roles():
+    scores = torch.randn(4, 1)
+    want = head_loss(reward_head(), scores, preference_labels(2), None)
+    for labels in (torch.tensor([True, True, False, False]), torch.tensor([1, 1, 0, 0])):
+        torch.testing.assert_close(head_loss(reward_head(), scores, labels, None), want)
