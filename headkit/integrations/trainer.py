@@ -272,6 +272,8 @@ class HeadedTrainer(Trainer):
         preds = {k: v.detach() for k, v in out.preds_by_head.items()}
         if labels:
             labels = _fill_missing_labels(labels, preds, heads)
+        if self._reward_data == "pairs" and labels:
+            preds, labels = _pairs_by_example(preds, labels, heads)
         trained = loss_heads(heads)
         if len(trained) == 1:  # plain arrays, as for any transformers model
             target = heads[trained[0]].target
@@ -374,6 +376,36 @@ def _labels_of(inputs: Mapping[str, Any], heads: Mapping[str, Any]) -> dict[str,
     given = {k: v for k, v in inputs.items() if (k == "labels" or k in targets) and v is not None}
     routed = route_labels(heads, given)
     return {k: v for k, v in routed.items() if isinstance(v, torch.Tensor)}
+
+
+def _pairs_by_example(
+    preds: dict[str, torch.Tensor], labels: dict[str, torch.Tensor], heads: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A ``PreferenceCollator`` batch's rows regrouped by example: (examples, rows of one
+    example, ...). Accelerate cuts the last evaluation batch to the examples the dataset has
+    left, counting the first dimension as examples; by example, whole pairs survive the cut.
+    The batch's layout (each source of pairs: n chosen rows, then n rejected rows) gives the
+    order; within an example, each source's chosen row comes before its rejected row, so the
+    k-th chosen still pairs with the k-th rejected once the rows are flattened again."""
+    pairwise = [c.target for c in heads.values() if label_rule(c).task == "pairwise"]
+    roles = next(labels[t] for t in pairwise if t in labels)
+    roles = roles[:, 0] if roles.dim() == 2 else roles
+    n = int((roles == 1).sum())
+    rows = roles.shape[0]
+    if n == 0 or rows % (2 * n):
+        return preds, labels
+    order = [
+        b * 2 * n + side * n + i
+        for i in range(n)
+        for b in range(rows // (2 * n))
+        for side in (0, 1)
+    ]
+    index = torch.tensor(order, device=roles.device)
+
+    def regroup(x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, index.to(x.device)).reshape(n, -1, *x.shape[1:])
+
+    return {k: regroup(v) for k, v in preds.items()}, {k: regroup(v) for k, v in labels.items()}
 
 
 def _fill_missing_labels(

@@ -118,15 +118,18 @@ def centering(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
 def pair_scores(
     scores: torch.Tensor, labels: torch.Tensor, where: str = "pairwise head"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(chosen scores, rejected scores, margins)`` of one batch: ``scores`` (rows, 1) or
-    (rows,), ``labels`` as ``split_pairs`` reads them."""
-    if scores.dim() == 2:
-        if scores.shape[-1] != 1:
-            raise BatchError(
-                f"{where}: a pairwise head has one output; got predictions of shape "
-                f"{tuple(scores.shape)}"
-            )
-        scores = scores[:, 0]
+    """``(chosen scores, rejected scores, margins)``: ``scores`` (rows, 1) or (rows,), and
+    ``labels`` as ``split_pairs`` reads them. Rows grouped by example, scores (examples, k, 1)
+    with labels (examples, k) or (examples, k, 2), are read in their flattened order."""
+    if scores.dim() >= 2 and scores.shape[-1] != 1:
+        raise BatchError(
+            f"{where}: a pairwise head has one output; got predictions of shape "
+            f"{tuple(scores.shape)}"
+        )
+    lead = tuple(scores.shape[:-1]) if scores.dim() >= 2 else tuple(scores.shape)
+    if len(lead) > 1 and tuple(labels.shape[: len(lead)]) == lead:
+        labels = labels.reshape(-1, *labels.shape[len(lead) :])
+    scores = scores.reshape(-1)
     if labels.shape[0] != scores.shape[0]:
         raise BatchError(
             f"{where}: labels of shape {tuple(labels.shape)} do not match the batch size "
