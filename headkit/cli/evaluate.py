@@ -80,9 +80,23 @@ def run_eval(
     from ..metrics import evaluate_head_wise
     from .checkpoints import open_checkpoint
     from .datafiles import read_rows, require_columns, require_labels
+    from .rewards import collator_for, data_format, encode_reward_rows
     from .rows import encode_rows
 
     model, tokenizer, settings = open_checkpoint(checkpoint, model)
+    max_length = settings.get("max_length", 128)
+    if label_columns is None and (settings.get("format") or not settings.get("label_columns")):
+        rows = read_rows(data, limit, encoding)
+        kind = data_format(model.head_configs, list(rows[0]))
+        if kind is not None:  # reward data: pairwise_accuracy, or the PRM's step accuracy
+            separator = settings.get("step_separator", "\n")
+            examples, _ = encode_reward_rows(
+                rows, tokenizer, model.head_configs, kind, max_length, separator
+            )
+            collate = collator_for(model, tokenizer, kind)
+            return evaluate_head_wise(
+                model, examples, collate, batch_size=batch_size, progress=progress
+            )
     text_column = text_column or settings.get("text_column", "text")
     label_columns = label_columns or settings.get("label_columns")
     if not label_columns:
@@ -94,7 +108,6 @@ def run_eval(
     require_columns(rows, {"--text-column": text_column, **labelled}, data)
     require_labels(rows, labelled, data)
     configs = list(model.head_configs.values())
-    max_length = settings.get("max_length", 128)
     examples, _ = encode_rows(rows, tokenizer, configs, text_column, label_columns, max_length)
     return evaluate_head_wise(model, examples, batch_size=batch_size, progress=progress)
 
