@@ -110,3 +110,25 @@ def test_a_table_without_label_columns_is_refused_in_one_line(tmp_path, capsys):
     )
     line = one_error_line(main(["train", str(config), "--quiet"]), capsys.readouterr().err)
     assert "key 'data.label_columns' is missing" in line and "reward data" in line
+
+
+def test_predict_writes_each_texts_reward(tmp_path):
+    import csv
+
+    model = tiny_model(tmp_path)
+    train = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(32, 0))
+    config = tmp_path / "rm.yaml"
+    config.write_text(
+        f"model: {model}\n"
+        "heads: [{name: reward, pred_for_sequence: true, loss_fct: bradley_terry, pooling: mean,"
+        " layer_hook: 0}]\n"
+        f"data: {{train: {train}}}\ntraining: {{epochs: 2}}\n"
+    )
+    assert main(["train", str(config), "--output", str(tmp_path / "rm"), "--quiet"]) == 0
+    texts = write_rows(tmp_path / "texts.csv", [{"text": "w1 good w2"}, {"text": "w3 w4"}])
+    out = tmp_path / "scores.csv"
+    args = ["predict", str(tmp_path / "rm"), "--data", str(texts), "--output", str(out)]
+    assert main([*args, "--quiet"]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [set(r) for r in rows] == [{"row", "text", "reward"}] * 2
+    assert all(float(r["reward"]) == float(r["reward"]) for r in rows)  # a number, not a class
