@@ -52,11 +52,18 @@ def pair_sources(head_configs: Mapping[str, Any], columns: Iterable[str]) -> dic
     """Each pairwise target → the column prefix its pairs come from: ``"T_"`` when the data
     has ``T_chosen`` (or ``T_chosen_ids``), else ``""`` (the plain columns)."""
     columns = set(columns)
+    firsts = ["chosen", *(names[0] for names in TOKENIZED_PAIRS)]
     out = {}
     for t in pairwise_targets(head_configs):
-        own = {f"{t}_chosen", f"{t}_chosen_ids"} & columns
+        own = any(f"{t}_{n}" in columns for n in firsts)
         out[t] = f"{t}_" if own else ""
     return out
+
+
+def has_texts(head_configs: Mapping[str, Any], columns: Iterable[str]) -> bool:
+    """Whether preference data with these columns holds texts (to tokenise) for any source."""
+    columns = set(columns)
+    return any(f"{p}chosen" in columns for p in pair_sources(head_configs, columns).values())
 
 
 def is_preference_data(columns: Iterable[str], head_configs: Mapping[str, Any]) -> bool:

@@ -69,6 +69,7 @@ from ..checkpoint.card import refresh_card
 from ..data.collator import HeadedCollator
 from ..data.preferences import (
     PreferenceCollator,
+    has_texts,
     is_preference_data,
     pair_columns,
     tokenize_preferences,
@@ -166,7 +167,7 @@ class HeadedTrainer(Trainer):
                 "both stepwise supervision"
             )
         self._reward_data = kind
-        if tokenizer is None:
+        if tokenizer is None and (kind == "steps" or has_texts(heads, columns)):
             raise ConfigError(
                 f"HeadedTrainer: {'preference' if kind == 'pairs' else 'stepwise'} data is "
                 "tokenised by the trainer: pass processing_class=tokenizer, as to TRL's trainers"

@@ -451,3 +451,16 @@ def test_pairwise_heads_do_not_train_on_cached_features():
     feats = cache_features(model, rows, batch_size=2, progress=False)
     with pytest.raises(ConfigError, match="shuffles rows"):
         train_heads_on_features(model, feats)
+
+
+def test_pretokenised_pairs_train_without_a_tokenizer_and_per_head_legacy_names(tmp_path):
+    _, ours = twin_reward_models()
+    rows = [{"reward_chosen_input_ids": [2, 5, 6, 3], "reward_rejected_input_ids": [2, 7, 3]}] * 8
+    trainer = HeadedTrainer(
+        ours,
+        TrainingArguments(str(tmp_path), max_steps=2, **ARGS),
+        train_dataset=Dataset.from_list(rows),
+    )
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert batch["input_ids"].tolist() == [[2, 5, 6, 3], [2, 7, 3, 0]]
+    trainer.train()
