@@ -103,6 +103,9 @@ class HeadedTrainer(Trainer):
             )
         # Trainer's positional order: train_dataset, eval_dataset, processing_class, ...
         names = list(inspect.signature(Trainer.__init__).parameters)[4 : 4 + len(rest)]
+        twice = sorted(set(names) & set(kwargs))
+        if twice:
+            raise TypeError(f"HeadedTrainer got multiple values for argument(s) {twice}")
         kwargs = {**dict(zip(names, rest)), **kwargs}
         tokenizer = kwargs.get("processing_class")
         self._reward_data: str | None = None
