@@ -1,10 +1,14 @@
 """``headkit.export``: a trained model (or checkpoint folder) in a format other stacks serve.
 
-``format="onnx"``: one ONNX graph of every head for onnxruntime (``integrations/onnx.py``);
-``format="transformers"``: one head as a plain transformers classifier folder, where such a
-class computes it exactly (``integrations/hf_classifiers.py``). Both verify what they wrote
-against the model before they move it into ``directory``. The module is not named
-``export.py``: importing ``headkit.export`` would then shadow the function.
+Formats are the entries of ``EXPORTERS`` (``formats.py``): functions
+``(model, output_dir, **options)``, added with ``EXPORTERS.register(name, fn)``. Built in
+(registered by name in ``headkit/__init__.py``, imported when used): ``"onnx"``, one ONNX
+graph of every head for onnxruntime (``integrations/onnx.py``); ``"transformers"``, one head
+as a plain transformers classifier folder, where such a class computes it exactly
+(``integrations/hf_classifiers.py``); ``"sentence-transformers"``, one sequence head as a
+saved SentenceTransformer (``integrations/sentence_transformers.py``); ``"hub"``, the
+checkpoint staged in ``output_dir`` and pushed to ``repo_id`` (``checkpoint/hub.py``). The module
+is not named ``export.py``: importing ``headkit.export`` would then shadow the function.
 """
 
 from __future__ import annotations
@@ -14,27 +18,25 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-
-FORMATS = ("onnx", "transformers")
+from .formats import EXPORTERS
 
 
 def export(model: Any, directory: str | os.PathLike, format: str = "onnx", **options: Any) -> Any:
     """Export ``model`` (a HeadedModel, or a checkpoint folder: its tokenizer, if saved there,
-    goes along) to ``directory``; returns what was written (``OnnxExport`` or
-    ``TransformersExport``). ``options`` are those of ``export_onnx`` / ``export_transformers``
-    (``tokenizer``, ``heads`` / ``head``, ``atol``, ...)."""
-    if format not in FORMATS:
-        raise ConfigError(f"format={format!r} is invalid; allowed: {', '.join(FORMATS)}")
+    goes along) to ``directory`` with the exporter registered as ``format`` in ``EXPORTERS``;
+    returns what it wrote (``OnnxExport``, ``TransformersExport``, ...). ``options`` are the
+    exporter's (``export_onnx``: ``tokenizer``, ``heads``, ``atol``, ...)."""
+    if format not in EXPORTERS:
+        raise ConfigError(
+            f"format={format!r} is invalid; allowed: {', '.join(EXPORTERS.in_order())}",
+            field="format",
+            value=format,
+        )
+    exporter = EXPORTERS.get(format)
     if isinstance(model, (str, os.PathLike)):
         model, tokenizer = _open(Path(model))
         options.setdefault("tokenizer", tokenizer)
-    if format == "onnx":
-        from .integrations.onnx import export_onnx
-
-        return export_onnx(model, directory, **options)
-    from .integrations.hf_classifiers import export_transformers
-
-    return export_transformers(model, directory, **options)
+    return exporter(model, directory, **options)
 
 
 def _open(folder: Path) -> tuple[Any, Any]:

@@ -28,7 +28,6 @@ from ..backbone.tying import tied_head_weights
 from ..errors import CheckpointError, ConfigError
 from ..losses.weighting import savable_config
 from .adapters import quantization_entry, write_adapter
-from .borrow import commit_backbone_folder, foreign_owner, link_backbone, new_backbone_folder
 from .card import write_card
 from .journal import PendingSave, recover
 from .lock import folder_lock
@@ -43,15 +42,21 @@ from .manifest import (
     sha256_file,
 )
 from .paths import read_raw
+from .shared_backbone import (
+    commit_backbone_folder,
+    foreign_owner,
+    link_backbone,
+    new_backbone_folder,
+)
 
 if TYPE_CHECKING:
-    from ..model.headed import HeadedModel
+    from .contract import CheckpointModel
 
 #: transformers' ``save_pretrained`` keywords headkit accepts (others get a ConfigError).
 SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size")
 
 
-def backbone_is_referable(model: HeadedModel) -> bool:
+def backbone_is_referable(model: CheckpointModel) -> bool:
     """A frozen backbone, unchanged since it was loaded from a recorded source (LoRA adapters
     left out: they are saved on their own)."""
     src = model.source
@@ -64,7 +69,7 @@ def backbone_is_referable(model: HeadedModel) -> bool:
 
 
 def save_checkpoint(
-    model: HeadedModel,
+    model: CheckpointModel,
     save_directory: str | os.PathLike,
     *,
     save_backbone: bool | None = None,
@@ -146,7 +151,7 @@ def _check_options(safe_serialization: Any, max_shard_size: Any, unsupported: di
 
 
 def _backbone_entry(
-    model: HeadedModel,
+    model: CheckpointModel,
     root: Path,
     token: str,
     previous: Any,
@@ -193,7 +198,7 @@ def _backbone_entry(
     }
 
 
-def _saved_in_place(model: HeadedModel, root: Path, previous: Any) -> dict[str, Any] | None:
+def _saved_in_place(model: CheckpointModel, root: Path, previous: Any) -> dict[str, Any] | None:
     """The current manifest's saved-backbone entry, when the model was restored from that
     very folder of this checkpoint and is unchanged: saving heads back keeps it."""
     src = model.source
@@ -211,7 +216,7 @@ def _saved_in_place(model: HeadedModel, root: Path, previous: Any) -> dict[str, 
     return {k: bb[k] for k in ("kind", "path", "files_sha256", "fingerprint") if k in bb}
 
 
-def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
+def _write_heads(model: CheckpointModel, root: Path, token: str) -> str:
     name = f"heads-{token}.safetensors"
     tmp = root / f".tmp-{name}"
     state = {k: v.detach().contiguous().cpu() for k, v in model.head_state_dict().items()}
@@ -225,7 +230,7 @@ def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
 
 
 def _write_backbone(
-    model: HeadedModel, root: Path, token: str, max_shard_size: int | str | None = None
+    model: CheckpointModel, root: Path, token: str, max_shard_size: int | str | None = None
 ) -> dict[str, Any]:
     options = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     # a LoRA backbone is saved as it was before peft (its adapter is saved on its own)

@@ -53,7 +53,7 @@ def convert(
     """Write the headkit checkpoint of the transformer-heads folder ``checkpoint`` to
     ``output`` (atomically: a sibling folder renamed into place); returns ``output``."""
     from ..checkpoint.paths import is_checkpoint
-    from ..checkpoint.transformer_heads import detect
+    from ..compat.checkpoint import detect
     from ..loading import load_headed
     from ..model.headed import HeadedModel
     from .outputs import check_output_folder, local_inputs
@@ -64,7 +64,9 @@ def convert(
         raise ConfigError(
             f"CHECKPOINT={str(src)!r} is not a transformer-heads checkpoint (no head_configs.json "
             "of its kind, nor a config.json with output_heads); a headkit checkpoint needs no "
-            "conversion"
+            "conversion",
+            field="CHECKPOINT",
+            value=str(src),
         )
     check_output_folder(
         out,
@@ -77,7 +79,9 @@ def convert(
     if layout == "heads" and base is None:
         raise ConfigError(
             f"CHECKPOINT={str(src)!r} holds heads only (no backbone); pass --base MODEL, the "
-            "backbone they were trained on"
+            "backbone they were trained on",
+            field="CHECKPOINT",
+            value=str(src),
         )
     if layout == "heads":
         model = load_headed(base, head_folder_path=src)

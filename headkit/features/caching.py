@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..backbone.inputs import batch_inputs, drop_tokenizer_extras, prepare_inputs, run_stage
+from ..distributed import ranks
 from ..errors import BatchError, ConfigError
 from ..losses.objective import (
     IGNORE_INDEX,
@@ -38,7 +39,6 @@ from ..losses.objective import (
     labels_as_tensor,
     target_rules,
 )
-from ..model import ranks
 from ..model.headed import HeadedModel
 from ..model.labels import keep_model_columns, route_labels
 from . import shards
@@ -67,7 +67,7 @@ def cache_features(
     outside the heads is trainable (cached features would go stale as it trains).
 
     Under a process group of several ranks (torchrun, ``accelerate launch``; a launched
-    process initialises it, see ``headkit.model.ranks``) the work is split: each rank runs a
+    process initialises it, see ``headkit.distributed.ranks``) the work is split: each rank runs a
     contiguous run of whole batches, the same batches one process would run (see
     ``headkit.features.shards``), and every rank gets the whole cache, rows in the dataset's
     order and equal to a single-process run: all-gathered in memory (``gather=False``: each

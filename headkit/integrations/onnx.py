@@ -9,7 +9,7 @@
 - the backbone cut after the deepest hooked block: the graph holds a copy of the backbone whose
   block list stops there (``cut_backbone``), so the blocks after it are not in the file. Head
   inputs come from the same input stage (``prepare_inputs``: positions from the mask, so
-  either padding side works), hooked states and ``HeadedModel.head_inputs`` as ``forward``;
+  either padding side works), hooked states and ``model/head_inputs.head_inputs`` as ``forward``;
 - the JSON says what each output is (layer, pooling, activation, loss, classes), which
   exporter ran, and how the export was verified.
 
@@ -42,6 +42,7 @@ from ..backbone.inspection import BackboneInfo
 from ..checkpoint.card import head_summary
 from ..errors import ConfigError, HeadkitError
 from ..heads.base import HeadDict
+from ..model.head_inputs import head_inputs
 from ..model.headed import HeadedModel
 from .exporting import (
     check_heads,
@@ -111,16 +112,14 @@ def cut_backbone(backbone: nn.Module, info: BackboneInfo, blocks: int) -> tuple[
 
 class ExportGraph(nn.Module):
     """What the ONNX graph computes: the input stage and the (cut) backbone, the hooked
-    states, each head's input (``HeadedModel.head_inputs``) and head. Traceable: no input
-    checks, no early-exit exception (the cut stands for it)."""
-
-    head_inputs = HeadedModel.head_inputs  # the same pooling sharing as forward
+    states, each head's input (``model/head_inputs.head_inputs``, as ``forward``) and head.
+    Traceable: no input checks, no early-exit exception (the cut stands for it)."""
 
     def __init__(self, model: HeadedModel, names: list[str]) -> None:
         super().__init__()
         layers = model.hooked_layers()
-        self._layer_of_head = {n: layers[n] for n in names}
-        wanted = set(self._layer_of_head.values())
+        self.state_keys = {n: layers[n] for n in names}
+        wanted = set(self.state_keys.values())
         info = model.info
         deepest = max(wanted)
         self.blocks = info.num_layers
@@ -145,7 +144,7 @@ class ExportGraph(nn.Module):
             batch["token_type_ids"] = token_type_ids
         inputs = prepare_inputs(self.backbone, self.info, batch, check=False)
         captured, _ = run_stage(self.backbone, self.info, inputs, self.wanted, False)
-        features = self.head_inputs(captured, inputs.mask)
+        features = head_inputs(self.heads, self.state_keys, captured, inputs.mask)
         return tuple(head.from_features(features[n]) for n, head in self.heads.items())
 
 

@@ -1,7 +1,7 @@
 """The checks test_ranks.py runs on two CPU ranks (gloo), all in one launch.
 
 ``python ranks_worker.py OUT_DIR MODEL_DIR`` under ``accelerate launch`` (tests/multiproc.py); the
-process group is started by headkit itself (``headkit.model.ranks.current``). MODEL_DIR is
+process group is started by headkit itself (``headkit.distributed.ranks.current``). MODEL_DIR is
 a tiny random BERT with a tokenizer, saved by the test. Each rank runs, in turn:
 
 0. "ddp_runs": tests/model/distributed_worker.py's DDP runs (a custom accelerate loop and
@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from headkit import HeadConfig, HeadedCollator, HeadedModel, cache_features, probe_layers
-from headkit.model import ranks, sharding
+from headkit.distributed import ranks, sharding
 
 ROWS = 11
 BATCH = 2

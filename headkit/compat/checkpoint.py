@@ -19,6 +19,10 @@ non-padding token it read); ``lins.<i>`` is the head's i-th Linear. A head named
 was never saved on its own by transformer-heads: it is the base's (or, in the LoRA layout, the
 adapter's saved ``lm_head.base_layer``) LM head, with a LoRA adapter on it merged into the
 head. The adapter's other layers are injected into the backbone, under the backbone's names.
+
+``READER`` is registered in ``headkit.formats.READERS`` as ``"transformer-heads"``
+(lazily, by ``headkit/__init__.py``): ``restore`` reads these folders through it and asks the
+read checkpoint's ``format`` (a ``TransformerHeadsCheckpoint``) how to build and load it.
 """
 
 from __future__ import annotations
@@ -36,12 +40,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..backbone.adapters import adapter_names, base_state_dict
+from ..backbone.inspection import base_model_of
 from ..backbone.safety import check_model_class
 from ..backbone.sources import load_backbone, source_of
-from ..config import HeadConfig
-from ..errors import CheckpointError, ConfigError
-from ..heads.base import HEADS
-from .adapters import (
+from ..checkpoint.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
@@ -49,8 +51,12 @@ from .adapters import (
     _load_state,
     _read_config,
 )
-from .manifest import MAX_MANIFEST_BYTES, PICKLE_SUFFIXES, check_head_count
-from .paths import MANIFEST
+from ..checkpoint.manifest import MAX_MANIFEST_BYTES, PICKLE_SUFFIXES, check_head_count
+from ..checkpoint.paths import MANIFEST
+from ..checkpoint.restore import Checkpoint
+from ..config import HeadConfig
+from ..errors import CheckpointError, ConfigError
+from ..heads.base import HEADS
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
@@ -113,6 +119,27 @@ class TransformerHeadsCheckpoint:
     @property
     def where(self) -> str:
         return str(self.root)
+
+    # ------------------------------------------------------------------ CheckpointFormat
+    def build_backbone(
+        self,
+        ckpt: Checkpoint,
+        model_class: type | None,
+        torch_dtype: Any,
+        device_map: Any,
+        kwargs: dict[str, Any],
+        trainable: bool,
+    ) -> tuple[Any, Any]:
+        backbone, source = self.load_backbone(model_class, torch_dtype, device_map, kwargs)
+        self.load_adapter(base_model_of(backbone), trainable=trainable)
+        return backbone, source
+
+    def head_tensors(self, ckpt: Checkpoint, model: HeadedModel) -> dict[str, torch.Tensor]:
+        return self.head_state_for(model)
+
+    def load_backbone_into(self, ckpt: Checkpoint, model: HeadedModel) -> None:
+        self.load_backbone_state(model.backbone)
+        self.load_adapter(model.backbone, trainable=True)
 
     # ------------------------------------------------------------------ backbone
     def load_backbone(
@@ -281,6 +308,23 @@ class TransformerHeadsCheckpoint:
         alpha = (config.alpha_pattern or {}).get(_LM, config.lora_alpha)
         scaling = alpha / (r**0.5 if config.use_rslora else r)
         return (b @ a * scaling).float()
+
+
+# ---------------------------------------------------------------------- the reader
+class TransformerHeadsReader:
+    """transformer-heads' folders as a ``CheckpointReader`` (``READERS["transformer-heads"]``)."""
+
+    def detect(self, root: Path) -> bool:
+        return is_transformer_heads_checkpoint(root)
+
+    def read(self, root: Path) -> Checkpoint:
+        found = read_transformer_heads(root)
+        if found is None:
+            raise CheckpointError(f"{str(root)!r} is not a transformer-heads checkpoint")
+        return Checkpoint(root, found.manifest, found.head_state, format=found)
+
+
+READER = TransformerHeadsReader()
 
 
 # ---------------------------------------------------------------------- reading

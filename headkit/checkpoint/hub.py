@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import read_checkpoint, restore
-from ..checkpoint.card import CARD, owns_card, refresh_card
-from ..checkpoint.journal import in_use
-from ..checkpoint.manifest import MANIFEST, PICKLE_SUFFIXES
-from ..checkpoint.paths import read_raw
 from ..errors import CheckpointError, ConfigError, HeadkitError
+from .card import CARD, owns_card, refresh_card
+from .journal import in_use
+from .manifest import MANIFEST, PICKLE_SUFFIXES
+from .paths import read_raw
+from .restore import read_checkpoint, restore
 
 if TYPE_CHECKING:
-    from .headed import HeadedModel
+    from ..model.headed import HeadedModel
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 #: Names in a checkpoint folder that are never uploaded (headkit's own bookkeeping).
@@ -90,6 +90,16 @@ def push_to_hub(
     if not keep:
         shutil.rmtree(target, ignore_errors=True)
     return PushResult(repo_id, target if keep else None, files, left_out, url)
+
+
+def export_to_hub(
+    model: HeadedModel | str | os.PathLike, output_dir: str | os.PathLike, **options: Any
+) -> PushResult:
+    """The ``"hub"`` exporter (``headkit.export``): ``push_to_hub(model, repo_id, ...)``
+    staged in ``output_dir`` (``options``: ``repo_id`` and ``push_to_hub``'s keywords)."""
+    if "repo_id" not in options:
+        raise ConfigError("format='hub' needs repo_id=", field="repo_id", value=None)
+    return push_to_hub(model, options.pop("repo_id"), output=output_dir, **options)
 
 
 def stage(
