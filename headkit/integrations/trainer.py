@@ -192,12 +192,6 @@ class HeadedTrainer(Trainer):
             train_on_last_step_only=getattr(args, "train_on_last_step_only", False),
         )
 
-    def _set_signature_columns_if_needed(self) -> None:
-        """Trainer's columns, plus the tokenised pairs ``PreferenceCollator`` reads."""
-        super()._set_signature_columns_if_needed()
-        if self._pair_columns:
-            self._signature_columns = [*self._signature_columns, *self._pair_columns]
-
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
         """Trainer's evaluate; TRL-format data passed here is tokenised as in ``__init__``."""
         if eval_dataset is not None and not isinstance(eval_dataset, str):
@@ -224,6 +218,7 @@ class HeadedTrainer(Trainer):
             model = model.get_base_model() if hasattr(model, "get_base_model") else model
             own = getattr(getattr(model, "info", None), "extra_inputs", ())
             columns = model_columns(model.head_configs, own)
+            columns |= set(self._pair_columns)  # preference data: what PreferenceCollator reads
             self._signature_columns = sorted(columns | set(self.label_names or []))
 
     def compute_loss(
