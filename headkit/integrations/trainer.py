@@ -114,6 +114,7 @@ class HeadedTrainer(Trainer):
         for key, is_eval in (("train_dataset", False), ("eval_dataset", True)):
             if kwargs.get(key) is not None:
                 kwargs[key] = self._reward_dataset(kwargs[key], model, tokenizer, args, is_eval)
+        _check_centering(model.head_configs, getattr(args, "center_rewards_coefficient", None))
         if getattr(args, "disable_dropout", False):  # TRL's RewardConfig / PRMConfig
             for module in model.modules():
                 if isinstance(module, torch.nn.Dropout):
@@ -388,6 +389,25 @@ def _labels_of(inputs: Mapping[str, Any], heads: Mapping[str, Any]) -> dict[str,
     given = {k: v for k, v in inputs.items() if (k == "labels" or k in targets) and v is not None}
     routed = route_labels(heads, given)
     return {k: v for k, v in routed.items() if isinstance(v, torch.Tensor)}
+
+
+def _check_centering(heads: Mapping[str, Any], coefficient: float | None) -> None:
+    """TRL's ``RewardConfig(center_rewards_coefficient=...)`` given as ``args``: in headkit the
+    option is each reward head's (``HeadConfig``); refuse a value the heads do not have rather
+    than train without it."""
+    if coefficient is None:
+        return
+    differ = [
+        n
+        for n, c in heads.items()
+        if label_rule(c).task == "pairwise" and c.center_rewards_coefficient != coefficient
+    ]
+    if differ:
+        raise ConfigError(
+            f"HeadedTrainer: args.center_rewards_coefficient={coefficient} but reward head(s) "
+            f"{differ} have another; in headkit it is each head's option: "
+            f"HeadConfig(..., center_rewards_coefficient={coefficient})"
+        )
 
 
 def _pairs_by_example(

@@ -245,6 +245,11 @@ def test_preference_data_errors():
         HeadedTrainer(
             ours, TrainingArguments("/tmp/unused", report_to=[]), train_dataset=pairs(4, 0)
         )
+    with pytest.raises(ConfigError, match="it is each head's option"):
+        args = RewardConfig(
+            "/tmp/unused", report_to=[], use_cpu=True, center_rewards_coefficient=0.01
+        )
+        HeadedTrainer(ours, args, train_dataset=pairs(4, 0), processing_class=tokenizer())
     with pytest.raises(BatchError, match="no chosen / rejected pair"):
         tokenize_preferences([{"chosen": "w1", "other": "w2"}], tokenizer(), ours.head_configs)
     collate = PreferenceCollator(ours)
