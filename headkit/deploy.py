@@ -21,22 +21,63 @@ from .errors import ConfigError
 from .formats import EXPORTERS
 
 
-def export(model: Any, directory: str | os.PathLike, format: str = "onnx", **options: Any) -> Any:
+def export(
+    model: Any,
+    directory: str | os.PathLike,
+    format: str = "onnx",
+    *,
+    overwrite: bool = False,
+    **options: Any,
+) -> Any:
     """Export ``model`` (a HeadedModel, or a checkpoint folder: its tokenizer, if saved there,
     goes along) to ``directory`` with the exporter registered as ``format`` in ``EXPORTERS``;
     returns what it wrote (``OnnxExport``, ``TransformersExport``, ...). ``options`` are the
-    exporter's (``export_onnx``: ``tokenizer``, ``heads``, ``atol``, ...)."""
-    if format not in EXPORTERS:
+    exporter's (``export_onnx``: ``tokenizer``, ``heads``, ``atol``, ...).
+
+    As ``headkit export``, nothing of the user's is replaced: an exporter that knows its own
+    output (a ``check_target(directory, overwrite, **options)`` attribute: ``onnx``,
+    ``transformers``) checks ``directory`` and its options before anything is loaded or built,
+    and replaces an earlier export of its format only with ``overwrite=True`` (only the files it
+    can prove it wrote: ``integrations/exporting.py``); any other exporter writes into a new or
+    empty folder only."""
+    if not isinstance(format, str) or format not in EXPORTERS:
         raise ConfigError(
-            f"format={format!r} is invalid; allowed: {', '.join(EXPORTERS.in_order())}",
+            f"format={str(format)[:80]!r} is invalid; allowed: {', '.join(EXPORTERS.in_order())}",
             field="format",
             value=format,
         )
     exporter = EXPORTERS.get(format)
+    check = getattr(exporter, "check_target", None)
+    if check is not None:
+        check(Path(directory), overwrite, **options)
+        options["overwrite"] = overwrite
+    else:
+        _new_or_empty(Path(directory), format, overwrite)
     if isinstance(model, (str, os.PathLike)):
         model, tokenizer = _open(Path(model))
         options.setdefault("tokenizer", tokenizer)
     return exporter(model, directory, **options)
+
+
+def _new_or_empty(directory: Path, format: str, overwrite: bool) -> None:
+    """Refuse a folder with files for an exporter that cannot tell its own files apart."""
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise ConfigError(
+            f"directory={str(directory)!r} is a file or a link; a folder is written",
+            field="directory",
+            value=str(directory),
+        )
+    names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    if names:
+        shown = ", ".join(repr(n[:80]) for n in names[:8])
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        again = " (overwrite=True applies to onnx and transformers exports)" if overwrite else ""
+        raise ConfigError(
+            f"directory={str(directory)!r} holds files ({shown}{more}); format={format!r} "
+            f"writes into a new or empty folder only{again}",
+            field="directory",
+            value=str(directory),
+        )
 
 
 def _open(folder: Path) -> tuple[Any, Any]:

@@ -121,7 +121,7 @@ def stage(
             if model_cls is None:
                 raise ConfigError("include_backbone=True for a checkpoint folder needs model_cls")
             model = restore(folder, model_cls=model_cls)
-            model.save_pretrained(target, save_backbone=True)
+            model.save_pretrained(target, save_backbone=True, main_process_only=False)
             raw = read_raw(folder / MANIFEST)
             skip = in_use(raw) | set(os.listdir(target))
             if not owns_card(folder, raw):
@@ -130,7 +130,11 @@ def stage(
         else:
             left_out = _copy_folder(folder, target)
     else:
-        source.save_pretrained(target, save_backbone=True if include_backbone else None)
+        # a staging folder of this process alone: no collective, whatever its rank (a model
+        # sharded with FSDP2 is saved on every rank first, and its folder pushed)
+        source.save_pretrained(
+            target, save_backbone=True if include_backbone else None, main_process_only=False
+        )
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
     manifest = read_raw(target / MANIFEST)

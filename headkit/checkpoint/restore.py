@@ -40,6 +40,7 @@ from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
 from ..formats import DEFAULT_READER, READERS, CheckpointFormat, reader_for
 from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
+from .journal import finish_killed_saves
 from .manifest import MANIFEST, TIED, read_manifest, sha256_file
 from .paths import HUB_KWARGS, check_inside, check_tree_inside, is_checkpoint, resolve_checkpoint
 from .sizes import backbone_width, check_sizes
@@ -139,6 +140,7 @@ def _manifest_bytes(root: Path) -> bytes | None:
 
 
 def _read_once(root: Path) -> Checkpoint:
+    finish_killed_saves(root)
     manifest = read_manifest(root)
     check_inside(root / MANIFEST, root, "manifest")
     state = read_head_weights(root, manifest)

@@ -14,10 +14,12 @@ model was loaded from).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +54,9 @@ from .shared_backbone import (
 if TYPE_CHECKING:
     from .contract import CheckpointModel
 
-#: transformers' ``save_pretrained`` keywords headkit accepts (others get a ConfigError).
-SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size")
+#: The keywords ``HeadedModel.save_pretrained`` accepts (others get a ConfigError);
+#: ``main_process_only`` is taken by it before ``save_checkpoint`` runs.
+SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size", "main_process_only")
 
 
 def backbone_is_referable(model: CheckpointModel) -> bool:
@@ -237,11 +240,36 @@ def _write_backbone(
     if has_adapters(model.backbone):
         options["state_dict"] = base_state_dict(model.backbone)
     tmp = new_backbone_folder(root, token)
-    model.backbone.save_pretrained(tmp, safe_serialization=True, **options)
+    with _written_on_this_rank(model.backbone):
+        model.backbone.save_pretrained(tmp, safe_serialization=True, **options)
+    if not any(tmp.glob("*.safetensors")):
+        raise CheckpointError(
+            f"saving the backbone of {type(model.backbone).__name__} into {str(root)!r} wrote "
+            "no weights file; nothing was committed"
+        )
     for f in tmp.iterdir():
         if f.is_file():
             fsync_file(f)
     return commit_backbone_folder(tmp, root)
+
+
+@contextlib.contextmanager
+def _written_on_this_rank(backbone: Any) -> Iterator[None]:
+    """transformers' ``save_pretrained`` writes nothing on a rank other than 0 of a process
+    group; a headkit save runs only on the process meant to write (rank 0 of a collective
+    save, or a save ``main_process_only=False`` asked for), so that process writes."""
+    if not callable(getattr(type(backbone), "should_save_on_this_rank", None)):
+        yield
+        return
+    backbone.should_save_on_this_rank = _always
+    try:
+        yield
+    finally:
+        del backbone.should_save_on_this_rank
+
+
+def _always(is_main_process: bool) -> bool:
+    return is_main_process
 
 
 def _commit(root: Path, manifest: dict[str, Any], token: str) -> None:

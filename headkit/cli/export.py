@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
     from ..errors import ConfigError
 
     check_export_folder(args)
-    options: dict = {"atol": args.atol}
+    options: dict = {"atol": args.atol, "overwrite": args.overwrite}
     if args.format == "onnx":
         options.update(heads=args.head, opset=args.opset, exporter=args.exporter)
         result = export(args.checkpoint, args.output, "onnx", **options)

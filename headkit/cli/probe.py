@@ -26,7 +26,8 @@ from .options import (
     key_value,
     layers,
     poolings,
-    positive,
+    seed,
+    val_splits,
 )
 
 if TYPE_CHECKING:
@@ -77,11 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--control", action="store_true", help="also probe a control task: selectivity")
     add(
         "--val-splits",
-        type=positive,
+        type=val_splits,
         default=3,
         help="random validation splits to average over (default 3)",
     )
-    add("--seed", type=int, default=0, help="seed of the held-out split (default 0)")
+    add("--seed", type=seed, default=0, help="seed of the held-out split (default 0)")
     add(
         "--test-fraction",
         type=fraction,

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ..backbone.fingerprint import tensors_fingerprint
 from ..backbone.inputs import batch_inputs, drop_tokenizer_extras, prepare_inputs, run_stage
 from ..distributed import ranks
 from ..errors import BatchError, ConfigError
@@ -95,6 +96,8 @@ def cache_features(
         layout == "token" for layout in targets.values()
     )
 
+    backbone = _backbone_meta(model)
+
     def meta_of(present: set[str], num_sequences: int, num_tokens: int) -> dict[str, Any]:
         return {
             "num_sequences": num_sequences,
@@ -103,7 +106,7 @@ def cache_features(
             "heads": heads,
             "feature_keys": {info["features"]: info["layout"] for info in heads.values()},
             "labels": {t: {"layout": targets[t]} for t in sorted(present)},
-            "backbone": _backbone_meta(model),
+            "backbone": backbone,
         }
 
     writer = _writer(storage, overwrite, rank, world)
@@ -373,10 +376,15 @@ def _check_padding_unused(
             )
 
 
-def _backbone_meta(model: HeadedModel) -> dict[str, Any]:
-    return {
+def _backbone_meta(model: HeadedModel, fingerprint: bool = True) -> dict[str, Any]:
+    """What the cache records of the backbone: class, sizes and (``fingerprint``) its
+    ``tensors_fingerprint``, which tells another backbone of the same shape apart."""
+    meta = {
         "class": type(model.backbone).__name__,
         "name_or_path": str(getattr(model.config, "name_or_path", "") or ""),
         "num_layers": model.info.num_layers,
         "hidden_size": model.info.hidden_size,
     }
+    if fingerprint:
+        meta["fingerprint"] = tensors_fingerprint(model.backbone)
+    return meta

@@ -335,9 +335,9 @@ class HeadedTrainer(Trainer):
         os.makedirs(output_dir, exist_ok=True)
         if state_dict is not None:
             with plain_parameters(headed, state_dict):  # full tensors in place of the shards
-                headed.save_pretrained(output_dir)
-        else:
-            headed.save_pretrained(output_dir)
+                headed.save_pretrained(output_dir, main_process_only=False)
+        else:  # Trainer saves on rank 0 alone (should_save): no collective to wait at
+            headed.save_pretrained(output_dir, main_process_only=False)
         tokenizer = self.processing_class
         if tokenizer is None:
             tokenizer = getattr(self.data_collator, "tokenizer", None)

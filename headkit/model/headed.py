@@ -38,6 +38,7 @@ from ..backbone.sources import BackboneSource, transformers_model_of
 from ..backbone.tying import init_lm_head, tied_head_weights
 from ..checkpoint import restore, save_checkpoint
 from ..config import HeadConfig
+from ..distributed import ranks
 from ..distributed.parallel import freeze_unreached, inside_strict_ddp, join_idle
 from ..distributed.placement import head_devices, loss_device
 from ..distributed.sharding import is_sharded, save_sharded
@@ -430,14 +431,43 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
+    def save_pretrained(
+        self, save_directory: str | PathLike, *, main_process_only: bool = True, **kwargs: Any
+    ) -> None:
         """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
         backbone carries one, and, unless frozen and unchanged since loading, the backbone.
-        A model sharded with FSDP2 is saved by every rank together (``sharding.save_sharded``:
-        rank 0 writes full tensors)."""
+
+        Under a process group of several ranks the save is collective: every rank calls it,
+        rank 0 writes, and every rank returns once it is written (a failure on rank 0 is
+        raised on every rank). A model sharded with FSDP2 is saved so always
+        (``sharding.save_sharded``: rank 0 writes full tensors). ``main_process_only=False``:
+        this process writes the whole checkpoint alone, whatever its rank, with no collective
+        (a save only one rank makes, as HeadedTrainer's on rank 0, or one folder per rank)."""
+        if not isinstance(main_process_only, bool):
+            raise ConfigError(
+                f"main_process_only={main_process_only!r:.80} is invalid; True (under a "
+                "process group: rank 0 writes, every rank waits) or False (this process "
+                "writes alone)"
+            )
         if is_sharded(self):
+            if not main_process_only:
+                raise ConfigError(
+                    "main_process_only=False: a model sharded with FSDP2 is saved by every "
+                    "rank together (rank 0 writes the full tensors); call it on every rank"
+                )
             return save_sharded(self, save_directory, **kwargs)
-        save_checkpoint(self, save_directory, **kwargs)
+        rank, world = ranks.current(init=False)
+        if world == 1 or not main_process_only:
+            save_checkpoint(self, save_directory, **kwargs)
+            return None
+        error = None
+        if rank == 0:
+            try:
+                save_checkpoint(self, save_directory, **kwargs)
+            except BaseException as e:  # every rank must hear of it (ranks.agree)
+                error = e
+        ranks.agree(error, f"saving {str(save_directory)!r}")
+        return None
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:
