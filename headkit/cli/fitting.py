@@ -53,10 +53,13 @@ def fit_heads(
     examples: list[dict],
     training: dict[str, Any],
     progress: bool = True,
+    collator: Any = None,
 ) -> Fit:
     """Train ``model`` on ``examples`` with the settings of a train config's ``training``
     section (``epochs``, ``lr``, ``batch_size``, ``seed``, ``freeze_backbone``,
-    ``use_cached_features``, ``validation_fraction``, ``patience``)."""
+    ``use_cached_features``, ``validation_fraction``, ``patience``). ``collator`` (default
+    ``HeadedCollator``) batches the examples; with one, they train through the model (a
+    ``PreferenceCollator``'s pairs cannot be cached: rows would be shuffled apart)."""
     train_rows, val_rows = validation_split(
         len(examples), training["validation_fraction"], training["seed"]
     )
@@ -68,6 +71,7 @@ def fit_heads(
     groups = param_groups(model, head_lr=head_lr, backbone_lr=lr, weight_decay=0.01)
     opt = torch.optim.AdamW(groups)  # 0.01: AdamW's own default, on weight matrices only
     cached = training["use_cached_features"] in (True, "auto") and training["freeze_backbone"]
+    cached = cached and collator is None
     if cached:
         size = training["batch_size"]
         feats = cache_features(model, train_set, batch_size=size, progress=progress)
@@ -83,7 +87,9 @@ def fit_heads(
 
         validate = (lambda: cached_loss(model, val_feats)) if val_feats is not None else None
     else:
-        epoch, validate = _full_epochs(model, tokenizer, train_set, val_set, training, opt)
+        epoch, validate = _full_epochs(
+            model, tokenizer, train_set, val_set, training, opt, collator
+        )
     try:
         return early_stopping(
             model, epoch, validate, training["epochs"], training["patience"], progress
@@ -166,13 +172,14 @@ def _full_epochs(
     val_set: list[dict],
     training: dict[str, Any],
     opt: torch.optim.Optimizer,
+    collator: Any = None,
 ) -> tuple[Callable[[int], float], Callable[[], float] | None]:
     """(one epoch, the validation loss) through the whole model (the backbone trains unless
     frozen)."""
     from torch.utils.data import DataLoader
 
     torch.manual_seed(training["seed"])
-    collate = HeadedCollator(model, tokenizer)
+    collate = collator or HeadedCollator(model, tokenizer)
     g = torch.Generator().manual_seed(training["seed"])
     size = training["batch_size"]
     loader = DataLoader(train_set, batch_size=size, shuffle=True, generator=g, collate_fn=collate)

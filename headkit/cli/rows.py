@@ -138,10 +138,10 @@ def readable(name: str, cfg: HeadConfig, p: torch.Tensor) -> dict[str, Any]:
 
     Classifiers give the class and its softmax probability (sequence heads also every class's,
     as ``<name>_prob_<class>``), binary heads the 0/1 decision at the loss's threshold and the
-    probability, regressors the value(s).
+    probability, regressors and reward heads (pairwise) the value(s).
     """
     task = cfg.task
-    if task == "regression":
+    if task in ("regression", "pairwise"):
         values = p[..., 0] if p.shape[-1] == 1 else p
         return {name: values.tolist()}
     if task == "binary":

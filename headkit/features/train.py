@@ -176,6 +176,12 @@ def _training_plan(model: HeadedModel, features: CachedFeatures) -> dict[str, An
     plan = {}
     for name in names:
         cfg = model.head_configs[name]
+        if label_rule(cfg).task == "pairwise":
+            raise ConfigError(
+                f"head {name!r} has loss_fct={cfg.loss_fct!r}: its pairs are rows of one batch, "
+                "and training on cached features shuffles rows; train it through the model "
+                "(HeadedTrainer or forward, docs/rewards.md)"
+            )
         if label_rule(cfg).layout == "token":
             # Rebuilt batches pad on the right, and caching checked that padding never counted
             # in this head's loss: ignoring padding gives the same loss as the original batches.

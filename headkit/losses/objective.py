@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..errors import BatchError, ConfigError
 from ..registry import Registry
+from .pairwise import bradley_terry, centering, pair_scores
 
 if TYPE_CHECKING:
     from ..config import HeadConfig
@@ -65,6 +66,7 @@ class LossSpec:
     metric: str | None = None
     threshold: float | None = None
     zeroes_ignored: bool = False
+    pairwise: bool = False
 
     def __post_init__(self) -> None:
         if self.zeroes_ignored and not self.classes:
@@ -73,11 +75,17 @@ class LossSpec:
                 "a value loss's skipped elements are always masked"
             )
         if self.metric is None:
-            object.__setattr__(self, "metric", "classification" if self.classes else "regression")
-        if self.metric not in ("classification", "binary", "regression"):
+            default = "pairwise" if self.pairwise else "regression"
+            object.__setattr__(self, "metric", "classification" if self.classes else default)
+        if self.metric not in ("classification", "binary", "regression", "pairwise"):
             raise ConfigError(
-                f"LossSpec: metric={self.metric!r} is invalid; 'classification', 'binary' or "
-                "'regression'"
+                f"LossSpec: metric={self.metric!r} is invalid; 'classification', 'binary', "
+                "'regression' or 'pairwise'"
+            )
+        if (self.metric == "pairwise") != self.pairwise or (self.pairwise and self.classes):
+            raise ConfigError(
+                f"LossSpec: metric={self.metric!r} does not fit pairwise={self.pairwise}, "
+                f"classes={self.classes}; a pairwise loss has metric 'pairwise' and classes=False"
             )
         if (self.metric == "classification") != self.classes:
             allowed = "'classification'" if self.classes else "'binary' or 'regression'"
@@ -126,18 +134,27 @@ LOSSES.register(
 )
 
 
+LOSSES.register(
+    "bradley_terry",
+    LossSpec(bradley_terry, ignores_minus_100=True, pairwise=True),
+)
+
+
 def loss_spec(cfg: HeadConfig) -> LossSpec | None:
     """The head's LossSpec, or None for a head without a loss."""
     return None if cfg.loss_fct is None else LOSSES.get(cfg.loss_fct)
 
 
 def task_of(cfg: HeadConfig) -> str:
-    """ "lm", "regression", "binary" or "classification": which metrics the head gets."""
+    """ "lm", "regression", "binary", "classification" or "pairwise": which metrics the
+    head gets."""
     if cfg.is_causal_lm:
         return "lm"
+    spec = loss_spec(cfg)
+    if spec is not None and spec.pairwise:
+        return "pairwise"
     if cfg.is_regression:
         return "regression"
-    spec = loss_spec(cfg)
     return spec.metric if spec is not None else "classification"  # type: ignore[return-value]
 
 
@@ -249,6 +266,8 @@ def fit_labels(cfg: HeadConfig, preds: torch.Tensor, labels: torch.Tensor) -> to
     rule = label_rule(cfg)
     classes, sequence = rule.classes, rule.layout == "sequence"
     expected = [lead] if classes else [lead + (n_out,)] + ([lead] if n_out == 1 else [])
+    if rule.task == "pairwise":  # a role per row, or (role, margin): losses/pairwise.py
+        expected = [lead, lead + (1,), lead + (2,)]
     if tuple(labels.shape) not in expected:
         hint = ""
         if sequence and labels.dim() >= 2 and labels.shape[1] != n_out:
@@ -320,8 +339,12 @@ def head_loss(
     preds: (batch, n) for sequence heads, (batch, seq, n) otherwise. The loss is the mean over
     the label elements that count; when nothing counts it is an exact zero that still belongs
     to the graph. (``count_labels`` then ``counted_loss``; ``head_losses`` shares the first
-    among heads.)
+    among heads.) A pairwise loss reads rows as pairs instead (``_pair_loss``).
     """
+    spec: LossSpec = LOSSES.get(cfg.loss_fct)
+    if spec.pairwise:
+        labels = fit_labels(cfg, preds, labels_as_tensor(labels, preds.device, _where(cfg)))
+        return _pair_loss(cfg, spec, preds, labels)
     return counted_loss(cfg, preds, count_labels(cfg, preds, labels, attention_mask, check))
 
 
@@ -346,6 +369,9 @@ def head_losses(
         if y is None or cfg.loss_fct is None:
             continue
         p, mask = preds[name], masks.get(name)
+        if LOSSES.get(cfg.loss_fct).pairwise:  # rows read as pairs: nothing to count
+            out[name] = head_loss(cfg, p, y, mask, check)
+            continue
         key = _sharing_key(cfg, p, mask, check)
         counted = shared.get(key)
         if counted is None:
@@ -422,6 +448,26 @@ def counted_loss(cfg: HeadConfig, preds: torch.Tensor, counted: CountedLabels) -
     if counted.counts is not None and not zeroed:
         per = per.masked_fill(counted.skipped(), 0)
     return per.sum() / counted.total
+
+
+def _pair_loss(
+    cfg: HeadConfig, spec: LossSpec, preds: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Mean of ``spec.fn`` over the batch's pairs (``losses/pairwise.py``), plus TRL's
+    centering term when ``center_rewards_coefficient`` is set; no pair: an exact zero."""
+    if not (labels.dtype.is_floating_point or labels.dtype in _NUMERIC):
+        raise BatchError(
+            f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs numeric labels (1 chosen, 0 "
+            f"rejected, -100 not read), got {labels.dtype}"
+        )
+    chosen, rejected, margin = pair_scores(preds.float(), labels.float(), _where(cfg))
+    if chosen.numel() == 0:
+        return preds.sum() * 0.0
+    loss = spec.fn(chosen, rejected, margin).mean()
+    coefficient = getattr(cfg, "center_rewards_coefficient", None)
+    if coefficient is not None:
+        loss = loss + coefficient * centering(chosen, rejected)
+    return loss
 
 
 def _count_classes(
