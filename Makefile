@@ -42,7 +42,8 @@ test: $(VENV)/.installed-dev
 # slow ones that do not pass there yet: ONNX export (onnxscript 0.3 lacks torch 2.13's API:
 # TorchScript fallback), SmolLM2's GGUF tokenizer (transformers 5.17 needs sentencepiece).
 # Not installed there: trl (TRL 1.13 needs accelerate>=1.4 and datasets>=4.7, above the
-# floors), so tests/integrations/test_rewards.py (side by side with TRL) runs on the newest only.
+# floors), so tests/integrations/test_rewards.py and test_rewards_doc.py (side by side with
+# TRL) run on the newest only.
 # Deselected, with the reason:
 # - test_import_is_lean: transformers < 5.22 itself imports scikit-learn when its Auto
 #   classes load (generation/candidate_generator.py), so `from headkit import *` does too.
@@ -68,7 +69,8 @@ test-oldest: $(OLDEST)/.installed
 	print('oldest:', 'torch', torch.__version__, 'transformers', transformers.__version__, \
 	'peft', peft.__version__, 'accelerate', accelerate.__version__, 'sentence-transformers', st.__version__)"
 	HF_HUB_OFFLINE=1 $(OLDEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow" \
-	--ignore tests/integrations/test_rewards.py $(OLDEST_DESELECT)
+	--ignore tests/integrations/test_rewards.py --ignore tests/integrations/test_rewards_doc.py \
+	$(OLDEST_DESELECT)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
