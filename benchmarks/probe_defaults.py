@@ -60,7 +60,7 @@ def main() -> None:
         seconds = time.perf_counter() - started
         report[name] = {"rows": len(rows), "n_test": n_test, "backbone_seconds": seconds}
         for rule, options in RULES.items():
-            gaps, picks = [], []
+            gaps, picks, picked_tests = [], [], []
             for seed in range(args.seeds):
                 folds = options.get("folds")
                 val_splits = folds or options["val_splits"]
@@ -73,23 +73,20 @@ def main() -> None:
                 pick = max(layers, key=lambda k: (val[k], -k))
                 gaps.append(max(test.values()) - test[pick])
                 picks.append(pick)
+                picked_tests.append(test[pick])
             report[name][rule] = {
                 "picked_layers": picks,
-                "test_of_pick": [round(test_of, 4) for test_of in _tests(picks, test)],
-                "best_test": round(max(test.values()), 4),
-                "best_layer": max(layers, key=lambda k: test[k]),
+                "test_of_pick": [round(v, 4) for v in picked_tests],
+                "last_seed_best_test": round(max(test.values()), 4),
+                "last_seed_best_layer": max(layers, key=lambda k: test[k]),
                 "gaps": [round(g, 4) for g in gaps],
                 "max_gap": round(max(gaps), 4),
-                "test_by_layer": {k: round(v, 4) for k, v in test.items()},
+                "last_seed_test_by_layer": {k: round(v, 4) for k, v in test.items()},
             }
             print(name, rule, json.dumps(report[name][rule]), flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)
-
-
-def _tests(picks: list[int], test: dict[int, float]) -> list[float]:
-    return [test[k] for k in picks]
 
 
 if __name__ == "__main__":

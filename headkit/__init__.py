@@ -22,6 +22,7 @@ _LAZY: dict[str, str] = {
     "POOLINGS": "heads.pooling",
     "BatchError": "errors",
     "CachedFeatures": "features",
+    "Calibration": "calibration",
     "CheckpointError": "errors",
     "ConfigError": "errors",
     "Head": "heads.base",
@@ -43,6 +44,7 @@ _LAZY: dict[str, str] = {
     "ProbeRow": "probe.results",
     "SequencePooling": "heads.pooling",
     "cache_features": "features",
+    "calibrate": "calibration",
     "create_headed_qlora": "integrations.peft",
     "evaluate_head_wise": "metrics",
     "export": "deploy",
@@ -71,6 +73,7 @@ __all__ = [
     "WEIGHTINGS",
     "BatchError",
     "CachedFeatures",
+    "Calibration",
     "CheckpointError",
     "ConfigError",
     "Head",
@@ -89,6 +92,7 @@ __all__ = [
     "ProbeResults",
     "ProbeRow",
     "cache_features",
+    "calibrate",
     "create_headed_qlora",
     "evaluate_head_wise",
     "export",
@@ -122,6 +126,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: importable, not in __all__)
+    from .calibration import Calibration, calibrate
     from .config import HeadConfig
     from .data.collator import HeadedCollator
     from .deploy import export

@@ -26,7 +26,13 @@ from tqdm.auto import tqdm
 
 from .config import HeadConfig
 from .errors import BatchError
-from .losses.objective import IGNORE_INDEX, counted_positions, fit_labels, label_rule
+from .losses.objective import (
+    IGNORE_INDEX,
+    counted_positions,
+    decisions,
+    fit_labels,
+    label_rule,
+)
 from .model.labels import keep_model_columns, loss_heads, route_labels, without_unused_labels
 
 
@@ -44,7 +50,6 @@ class HeadMetric:
             self.confusion = np.zeros((n, n), dtype=np.int64)  # [label, prediction]
         elif self.kind == "binary":
             self.counts = np.zeros((n, 4), dtype=np.int64)  # tp, fp, fn, tn per output
-            self.threshold = float(cfg.spec.threshold)
         elif self.kind == "regression":
             # per output: count, mean of y, sum of squared deviations of y (merged batch by
             # batch with Chan's parallel update: stable for labels with a large offset),
@@ -75,7 +80,7 @@ class HeadMetric:
         y = y.reshape(-1, self.n)
         elem = elem.reshape(-1, self.n)
         if self.kind == "binary":
-            hat = p > self.threshold
+            hat = decisions(self.cfg, p).bool()  # the head's threshold, as predict decides
             pos = y > 0.5
             for j, cell in enumerate((hat & pos, hat & ~pos, ~hat & pos, ~hat & ~pos)):
                 self.counts[:, j] += (cell & elem).sum(0).numpy()  # tp, fp, fn, tn
@@ -102,7 +107,7 @@ class HeadMetric:
 
     def _update_classes(self, p: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> None:
         y = y[valid]
-        hat = p[valid].argmax(-1)
+        hat = decisions(self.cfg, p[valid])  # argmax, or a two-class head's threshold
         bad = (y < 0) | (y >= self.n)
         if bool(bad.any()):
             raise BatchError(

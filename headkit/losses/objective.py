@@ -24,7 +24,7 @@ rather than train towards -100 (use ``masked_mse``). Metrics skip it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +52,11 @@ class LossSpec:
     must be in [0, 1] (the head's output activation must give them). ``metric``: which
     metrics fit: "classification" (class indices, the default with ``classes``), else
     "regression" (the default) or "binary". ``threshold``: the decision threshold of binary
-    predictions.
+    predictions. ``options``: the options ``fn`` takes as keywords and their defaults (a
+    head sets them in ``HeadConfig.loss_options``, e.g. focal's ``gamma``).
+    ``pos_weight``: ``fn`` takes ``pos_weight=`` (a tensor of one weight per output), which
+    ``HeadConfig.pos_weight`` sets. Class losses weigh each label by
+    ``HeadConfig.class_weights`` (the weighted mean, as ``cross_entropy(weight=)``).
     """
 
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,6 +66,8 @@ class LossSpec:
     needs_probabilities: bool = False
     metric: str | None = None
     threshold: float | None = None
+    options: Mapping[str, float] = field(default_factory=dict)
+    pos_weight: bool = False
 
     def __post_init__(self) -> None:
         if self.metric is None:
@@ -109,11 +115,30 @@ LOSSES.register(
 LOSSES.register(
     "bce_with_logits",
     LossSpec(
-        lambda p, y: F.binary_cross_entropy_with_logits(p, y, reduction="none"),
+        lambda p, y, pos_weight=None: F.binary_cross_entropy_with_logits(
+            p, y, reduction="none", pos_weight=pos_weight
+        ),
         ignores_minus_100=True,
         target_range=(0.0, 1.0),
         metric="binary",
+        pos_weight=True,
     ),
+)
+
+
+def focal_loss(preds: torch.Tensor, labels: torch.Tensor, gamma: float = 2.0) -> torch.Tensor:
+    """Focal loss (Lin et al., 2017), per row: ``-(1 - p_y)^gamma * log p_y`` with ``p_y`` the
+    softmax probability of the label (``gamma=0`` is cross-entropy); 0 where the label is
+    -100. preds (N, C) logits, labels (N,) class indices."""
+    counted = labels != IGNORE_INDEX
+    log_p = F.log_softmax(preds, -1).gather(-1, torch.where(counted, labels, 0)[:, None])[:, 0]
+    loss = -((1 - log_p.exp()).clamp(min=0) ** gamma) * log_p
+    return torch.where(counted, loss, torch.zeros_like(loss))
+
+
+LOSSES.register(
+    "focal",
+    LossSpec(focal_loss, classes=True, ignores_minus_100=True, options={"gamma": 2.0}),
 )
 
 
@@ -130,6 +155,36 @@ def task_of(cfg: HeadConfig) -> str:
         return "regression"
     spec = loss_spec(cfg)
     return spec.metric if spec is not None else "classification"  # type: ignore[return-value]
+
+
+def probabilities(cfg: HeadConfig, preds: torch.Tensor) -> torch.Tensor:
+    """The head's outputs as probabilities, calibrated by ``cfg.temperature``: a softmax over
+    classes (classification), the positive probability per output (binary: the sigmoid of
+    logits, or probabilities rescaled in logit space)."""
+    t = float(cfg.temperature)
+    p = preds.float()
+    if task_of(cfg) != "binary":
+        return torch.softmax(p / t, -1)
+    spec = loss_spec(cfg)
+    if spec is not None and spec.needs_probabilities:
+        if t == 1.0:
+            return p
+        p = torch.logit(p.clamp(1e-7, 1 - 1e-7))
+    return torch.sigmoid(p / t)
+
+
+def decisions(cfg: HeadConfig, preds: torch.Tensor) -> torch.Tensor:
+    """The head's decisions: the class index (argmax, or with ``cfg.threshold`` on a two-class
+    head, class 1 when its probability is at least the threshold) or the 0/1 decision per
+    output of a binary head (its probability at least ``cfg.threshold``, else the loss's own
+    threshold on the raw outputs)."""
+    if task_of(cfg) == "binary":
+        if cfg.threshold is None:
+            return (preds > loss_spec(cfg).threshold).long()
+        return (probabilities(cfg, preds) >= cfg.threshold).long()
+    if cfg.threshold is not None and preds.shape[-1] == 2:
+        return (probabilities(cfg, preds)[..., 1] >= cfg.threshold).long()
+    return preds.argmax(-1)
 
 
 def _where(cfg: HeadConfig) -> str:
@@ -321,7 +376,8 @@ def head_loss(
     else:
         per, weights = _value_loss(cfg, spec, rule, preds, labels, valid, check)
     per = torch.where(weights > 0, per, torch.zeros_like(per))
-    return per.sum() / weights.sum().clamp(min=1)
+    total = weights.sum()  # the count, or the sum of class weights, of what counts
+    return per.sum() / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def _class_loss(
@@ -349,9 +405,20 @@ def _class_loss(
             f"{_where(cfg)}: class index {value} is out of range for num_outputs={n_out}; "
             f"allowed: 0..{n_out - 1} (or {IGNORE_INDEX} to ignore)"
         )
-    target = torch.where(valid, labels, IGNORE_INDEX)
-    per = spec.fn(preds.reshape(-1, n_out).float(), target.reshape(-1))
-    return per, valid.reshape(-1).to(per.dtype)
+    target = torch.where(valid, labels, IGNORE_INDEX).reshape(-1)
+    per = spec.fn(preds.reshape(-1, n_out).float(), target, **loss_options(cfg))
+    weights = valid.reshape(-1).to(per.dtype)
+    if isinstance(cfg.class_weights, list):  # the weighted mean: sum(w_y * l) / sum(w_y)
+        table = torch.tensor(cfg.class_weights, dtype=per.dtype, device=per.device)
+        weights = weights * table[target.clamp(min=0)]
+        per = per * weights
+    elif cfg.class_weights is not None:
+        raise ConfigError(
+            f"{_where(cfg)}: class_weights={cfg.class_weights!r} is not resolved yet; compute "
+            "the weights from the training labels first (HeadConfig.with_class_weights(labels), "
+            "or headkit train does it)"
+        )
+    return per, weights
 
 
 def _value_loss(
@@ -392,8 +459,35 @@ def _value_loss(
                 f"got {float(labels[outside][0])}"
             )
     safe = torch.where(counts, labels, torch.zeros_like(labels))
-    per = spec.fn(preds.float(), safe).reshape(-1)
+    options = loss_options(cfg)
+    if cfg.pos_weight is not None:
+        options["pos_weight"] = torch.tensor(
+            cfg.pos_weight, dtype=torch.float32, device=preds.device
+        ).reshape(-1)
+    per = spec.fn(preds.float(), safe, **options).reshape(-1)
     return per, counts.reshape(-1).to(per.dtype)
+
+
+def loss_options(cfg: HeadConfig) -> dict[str, Any]:
+    """The keyword options of the head's loss function: its spec's defaults, updated by
+    ``cfg.loss_options``."""
+    spec = loss_spec(cfg)
+    if spec is None:
+        return {}
+    return {**spec.options, **cfg.loss_options}
+
+
+def balanced_class_weights(labels: Any, num_classes: int) -> list[float]:
+    """scikit-learn's ``"balanced"`` weights: ``n / (num_classes * count_c)`` per class, from
+    the training labels (class indices; -100 skipped); a class absent from them is counted
+    once (``n / num_classes``)."""
+    y = torch.as_tensor(labels).reshape(-1).long()
+    y = y[y != IGNORE_INDEX]
+    if len(y) == 0:
+        raise ConfigError("class_weights='balanced' needs training labels; none were given")
+    counts = torch.bincount(y, minlength=num_classes).double()
+    weights = len(y) / (num_classes * counts.clamp(min=1))
+    return [float(w) for w in weights]
 
 
 _NUMERIC = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool}
