@@ -181,7 +181,11 @@ def _check_save(args: argparse.Namespace, inputs: list[Path]) -> Path | None:
     if Path(args.save).resolve() == Path(args.output).resolve():
         raise ConfigError(f"--save={args.save!r} is --output; give the checkpoint its own folder")
     return check_output_folder(
-        args.save, inputs, args.overwrite, ours=is_checkpoint, what="a headkit checkpoint",
+        args.save,
+        inputs,
+        args.overwrite,
+        ours=is_checkpoint,
+        what="a headkit checkpoint",
         option="--save",
     )
 
