@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG.yaml")
     p.add_argument("--output", help="checkpoint folder (replaces the config's output)")
     add_overwrite(p, "a headkit checkpoint already in the output folder")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run from the training state in the output folder "
+        "(written after every epoch)",
+    )
     add_encoding(p)
     add_quiet(p)
 
@@ -55,8 +61,12 @@ def run(args: argparse.Namespace) -> None:
     config = load_train_config(args.config, output=args.output, encoding=args.encoding)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LossStillFallingWarning)  # printed below, one line
-        result = run_train(config, progress=not args.quiet, overwrite=args.overwrite)
+        result = run_train(
+            config, progress=not args.quiet, overwrite=args.overwrite, resume=args.resume
+        )
     losses = result["losses"]
+    if result.get("resumed_after"):
+        print(f"resumed after epoch {result['resumed_after']}")
     print(f"training loss: epoch 1 {losses[0]:.4f} -> epoch {len(losses)} {losses[-1]:.4f}")
     if result["best_epoch"] is not None:
         how = "stopped early" if result["stopped_early"] else "ran every epoch"
@@ -66,6 +76,12 @@ def run(args: argparse.Namespace) -> None:
         )
     if result["warning"]:
         print(f"headkit train: warning: {result['warning']}", file=sys.stderr)
+    for name, got in result.get("calibration", {}).items():
+        cut = f", threshold {got.threshold:.3f}" if got.threshold is not None else ""
+        print(
+            f"calibrated {name} on validation: temperature {got.temperature:.3f}{cut} "
+            f"(NLL {got.nll_before:.4f} -> {got.nll_after:.4f})"
+        )
     if "metrics" in result:
         print("held-out metrics (data.eval):")
         print(metrics_table(result["metrics"]))
@@ -99,6 +115,7 @@ def load_train_config(
             "(cached features would go stale as the backbone trains)"
         )
     heads = [HeadConfig.from_dict(h) for h in parsed.heads]
+    _check_training(training, heads, path)
     for h in heads:
         if h.is_causal_lm:
             raise ConfigError(
@@ -125,10 +142,42 @@ def load_train_config(
     }
 
 
+def _check_training(training: dict[str, Any], heads: list, path: Path) -> None:
+    """The training settings that depend on each other or on the heads."""
+    from .fitting import metric_names
+
+    if training["bf16"] and training["fp16"]:
+        raise ConfigError(
+            f"{path}: training.bf16=true and training.fp16=true; allowed: one of them, or neither"
+        )
+    if training["warmup_ratio"] and training["warmup_steps"]:
+        raise ConfigError(
+            f"{path}: training.warmup_ratio={training['warmup_ratio']!r} and "
+            f"training.warmup_steps={training['warmup_steps']!r}; allowed: one of them"
+        )
+    allowed = metric_names(heads)
+    if training["metric_for_best_model"] not in allowed:
+        raise ConfigError(
+            f"{path}: training.metric_for_best_model={training['metric_for_best_model']!r} is "
+            f"invalid; allowed: {', '.join(allowed)}"
+        )
+
+
+def _ours(folder: Path) -> bool:
+    """A folder ``headkit train`` wrote: a checkpoint, or the training state and logs of a
+    run that did not finish."""
+    from ..checkpoint.paths import is_checkpoint
+    from .fitting import LOG_FOLDER, STATE_FOLDER
+
+    if is_checkpoint(folder):
+        return True
+    names = {p.name for p in folder.iterdir()}
+    return bool(names) and names <= {STATE_FOLDER, LOG_FOLDER}
+
+
 def check_output(config: dict[str, Any], overwrite: bool) -> Path:
     """Refuse the output folder before any work: an input, a file, a folder holding files
     that are not a headkit checkpoint (named), or a checkpoint without ``overwrite``."""
-    from ..checkpoint.paths import is_checkpoint
     from .outputs import check_output_folder, local_inputs
 
     data = config["data"]
@@ -137,17 +186,18 @@ def check_output(config: dict[str, Any], overwrite: bool) -> Path:
         config["output"],
         inputs,
         overwrite,
-        ours=is_checkpoint,
-        what="a headkit checkpoint",
+        ours=_ours,
+        what="a headkit checkpoint (or an unfinished run's training state)",
     )
 
 
 # ---------------------------------------------------------------------- training
 def run_train(
-    config: dict[str, Any], progress: bool = True, overwrite: bool = False
+    config: dict[str, Any], progress: bool = True, overwrite: bool = False, resume: bool = False
 ) -> dict[str, Any]:
     """Train the heads of a loaded config, save the checkpoint; return the per-epoch training
-    and validation losses, the epoch kept, the checkpoint and held-out metrics."""
+    and validation losses, the epoch kept, the checkpoint and held-out metrics. ``resume``:
+    continue from the training state an interrupted run left in the output folder."""
     import torch
 
     from ..backbone.sources import load_tokenizer, resolve_model
@@ -155,10 +205,15 @@ def run_train(
     from .checkpoints import save_checkpoint
     from .datafiles import read_rows, require_columns, require_labels
     from .evaluate import run_eval
-    from .fitting import fit_heads
+    from .fitting import STATE_FOLDER, TrainingState, fit_heads
     from .rows import encode_rows, with_classes
 
-    check_output(config, overwrite)
+    if resume and not (Path(config["output"]) / STATE_FOLDER / "state.json").is_file():
+        raise ConfigError(
+            f"--resume: {config['output']!r} holds no training state ({STATE_FOLDER}/); "
+            "start the run without --resume"
+        )
+    check_output(config, overwrite or resume)
     data, training = config["data"], config["training"]
     rows = read_rows(data["train"], data["limit"], data["encoding"])
     labelled = {f"data.label_columns.{t}": c for t, c in data["label_columns"].items()}
@@ -174,11 +229,17 @@ def run_train(
     examples, _ = encode_rows(
         rows, tokenizer, configs, data["text_column"], data["label_columns"], training["max_length"]
     )
-    fit = fit_heads(model, tokenizer, examples, training, progress)
+    _balanced_weights(model, examples)
+    fit = fit_heads(model, tokenizer, examples, training, progress, config["output"], resume)
+    calibration = _calibrate(model, tokenizer, examples, training)
     settings = {k: data[k] for k in ("text_column", "label_columns")}
     settings["max_length"] = training["max_length"]
     out = save_checkpoint(model, tokenizer, config["output"], settings)
+    TrainingState(out / STATE_FOLDER, model, None).remove()  # the checkpoint supersedes it
     result: dict[str, Any] = {
+        "resumed_after": fit.resumed_after,
+        "val_metrics": fit.val_metrics,
+        "calibration": calibration,
         "losses": fit.losses,
         "val_losses": fit.val_losses,
         "best_epoch": fit.best_epoch,
@@ -198,6 +259,46 @@ def run_train(
             encoding=data["encoding"],
         )
     return result
+
+
+def _balanced_weights(model: Any, examples: list[dict]) -> None:
+    """Heads with ``class_weights: balanced`` get the weights of the training labels."""
+    for name, cfg in list(model.head_configs.items()):
+        if cfg.class_weights != "balanced":
+            continue
+        labels = []
+        for ex in examples:
+            y = ex.get(cfg.target)
+            labels.extend(y if isinstance(y, list) else [y])
+        resolved = cfg.with_class_weights(labels)
+        model.head_configs[name] = resolved
+        model.heads[name].config = resolved
+
+
+def _calibrate(model: Any, tokenizer: Any, examples: list[dict], training: dict) -> dict:
+    """Temperatures (and, with ``training.threshold``, thresholds) fitted on the validation
+    split, written into the heads' configs; {} without a validation split or with
+    ``training.calibrate: false``."""
+    from ..calibration import calibrate
+    from ..data.collator import HeadedCollator
+    from .fitting import validation_split
+
+    if not training["calibrate"]:
+        return {}
+    _, val_rows = validation_split(
+        len(examples), training["validation_fraction"], training["seed"]
+    )
+    if not val_rows:
+        return {}
+    val_set = [examples[i] for i in val_rows]
+    collator = HeadedCollator(model, tokenizer)
+    return calibrate(
+        model,
+        val_set,
+        threshold=training["threshold"],
+        collator=collator,
+        batch_size=training["batch_size"],
+    )
 
 
 def _still_falling(fit: Any, training: dict[str, Any]) -> str | None:
