@@ -59,7 +59,8 @@ def test_every_control_from_yaml_trains_logs_and_calibrates(files, tmp_path, cap
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "logs").iterdir())
     assert not (out / STATE_FOLDER).exists()  # the checkpoint supersedes the state
     cfg = HeadedModel.from_pretrained(out).head_configs["sentiment"]
-    labels = [r for r in csv.DictReader(open(files["train"], newline=""))]
+    with open(files["train"], newline="") as f:
+        labels = list(csv.DictReader(f))
     n_pos = sum(r["label"] == "pos" for r in labels)
     expected = [len(labels) / (2 * (len(labels) - n_pos)), len(labels) / (2 * n_pos)]
     assert cfg.class_weights == pytest.approx(expected)  # classes sorted: neg, pos
