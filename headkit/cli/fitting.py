@@ -364,9 +364,7 @@ def _full_epochs(
 
     def validate() -> dict[str, float]:
         with _autocast(model, precision):
-            per_head = evaluate_head_wise(
-                model, val_set, collate, batch_size=size, progress=False
-            )
+            per_head = evaluate_head_wise(model, val_set, collate, batch_size=size, progress=False)
         scores = {f"{h}_{m}": v for h, ms in per_head.items() for m, v in ms.items()}
         losses = {h: torch.tensor(ms["loss"]) for h, ms in per_head.items() if "loss" in ms}
         total, _ = model.combine_losses(losses)

@@ -285,9 +285,7 @@ def _calibrate(model: Any, tokenizer: Any, examples: list[dict], training: dict)
 
     if not training["calibrate"]:
         return {}
-    _, val_rows = validation_split(
-        len(examples), training["validation_fraction"], training["seed"]
-    )
+    _, val_rows = validation_split(len(examples), training["validation_fraction"], training["seed"])
     if not val_rows:
         return {}
     val_set = [examples[i] for i in val_rows]
