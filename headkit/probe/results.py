@@ -310,8 +310,8 @@ class ProbeResults:
         )
         if row.weight is None or row.bias is None:
             raise ConfigError(
-                f"the probe of layer {row.layer} ({row.pooling}) has no weights (results read "
-                "from JSON keep none); run probe_layers again to get a head"
+                f"the probe of layer {row.layer} ({row.pooling}) has no weights (a ProbeRow "
+                "built by hand keeps none); run probe_layers to get a head"
             )
         fields_ = {"name": name, "layer_hook": row.layer, "num_outputs": row.weight.shape[0]}
         fields_["output_bias"] = True

@@ -66,3 +66,18 @@ def test_save_is_checked_before_any_work(files, tmp_path, capsys) -> None:
         capsys.readouterr().err,
     )
     assert "val_splits=2 and folds=3 were both given" in line
+    line = one_error_line(
+        main(
+            [
+                *args,
+                "--output",
+                str(tmp_path / "s"),
+                "--image-column",
+                "text",
+                "--save",
+                str(tmp_path / "head"),
+            ]
+        ),
+        capsys.readouterr().err,
+    )
+    assert "writes a checkpoint that headkit predict reads texts with" in line

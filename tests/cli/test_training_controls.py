@@ -174,3 +174,17 @@ def test_accumulation_averages_batches_and_clipping_bounds_the_norm() -> None:
     )
     clipped.backward(torch.nn.functional.mse_loss(parts(x), y) * 100, last=True)
     assert float(norms[0]) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_a_corrupt_training_state_is_refused(files, tmp_path, capsys) -> None:
+    config = _config(tmp_path / "c.yaml", files, "{epochs: 2}")
+    state = tmp_path / "cut" / STATE_FOLDER
+    state.mkdir(parents=True)
+    (state / "state.json").write_text("not json")
+    (state / "state.safetensors").write_bytes(b"garbage")
+    line = one_error_line(
+        main(["train", config, "--output", str(tmp_path / "cut"), "--resume"]),
+        capsys.readouterr().err,
+    )
+    assert "--resume: training state" in line and "cannot be read" in line
+    assert "train afresh" in line

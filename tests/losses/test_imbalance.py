@@ -264,3 +264,9 @@ def test_metrics_decide_with_the_heads_threshold() -> None:
     assert default["accuracy"] == 0.75  # cut at logit 0 (probability 0.5)
     low = HeadMetric(cfg.replace(threshold=0.3)).update(logits, labels).compute()
     assert low["accuracy"] == 1.0  # sigmoid(-0.5) = 0.38 >= 0.3: positive
+
+
+def test_calibrate_refuses_an_unknown_threshold_metric() -> None:
+    model = HeadedModel(build_tiny("bert"), [_seq(num_outputs=2)])
+    with pytest.raises(ConfigError, match=r"threshold='youden' is invalid; allowed: f1, accuracy"):
+        calibrate(model, [{"input_ids": [5, 6, 7], "h": 1}], threshold="youden")
