@@ -187,7 +187,7 @@ def check_output(config: dict[str, Any], overwrite: bool) -> Path:
         inputs,
         overwrite,
         ours=_ours,
-        what="a headkit checkpoint (or an unfinished run's training state)",
+        what="a headkit checkpoint",
     )
 
 
