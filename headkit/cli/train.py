@@ -4,10 +4,13 @@ The config names the backbone, the heads (HeadConfig fields), the data files and
 the training settings and the output folder (keys: docs/cli.md; the schema and the safe YAML
 loader: ``train_config.py``). ``validation_fraction`` of the training rows is held out; after
 each epoch the validation loss is measured, training stops once it has not improved for
-``patience`` epochs, and the best epoch's weights are kept (``fitting.py``). With a frozen
-backbone the heads train on cached features (one backbone pass); otherwise AdamW epochs run
-through the whole model. The output folder is checked before anything is loaded. Importing
-this module imports argparse only; ``run`` imports the rest.
+``patience`` epochs (or ``metric_for_best_model``), and the best epoch's weights are kept
+(``fitting.py``: also the lr schedule, clipping, accumulation, bf16/fp16, logs and the state
+``--resume`` continues from). With a frozen backbone the heads train on cached features (one
+backbone pass); otherwise AdamW epochs run through the whole model. ``class_weights:
+balanced`` is computed from the training labels; classifiers are calibrated on the
+validation split. The output folder is checked before anything is loaded. Importing this
+module imports argparse only; ``run`` imports the rest.
 """
 
 from __future__ import annotations

@@ -5,12 +5,16 @@ layer (``cache_features`` with one feature head per layer and pooling), then tra
 linear probe per (layer, pooling) on the cached features — all of them together, batched
 (``headkit.probe.fit``) — and scores each on a held-out split:
 
-- held-out split: ``test_fraction`` of the examples, drawn with ``seed`` (the same for every
-  validation split);
-- validation splits (``val_splits`` of them): each holds back a different ``val_fraction`` of
-  the training examples to choose the L2 penalty on, and trains on the rest; ``std`` is the
-  spread over the splits, ``ci95`` a bootstrap interval over held-out rows of the
-  split-averaged score;
+- held-out split: ``test_fraction`` of the examples, drawn with ``seed`` (stratified by
+  class for classification);
+- validation: ``folds``-fold cross-validation (5 by default; stratified), or ``val_splits``
+  random splits each holding back ``val_fraction`` of the training examples, choose the L2
+  penalty; ``val_score`` (what ``best()`` picks the layer on) is their mean validation score;
+- each probe is then refitted on every training example with the L2 chosen most often: its
+  held-out score is ``score`` (``ci95`` a bootstrap interval over held-out rows), its outputs
+  the per-example ``predictions`` / ``probabilities`` and ``metrics``, its weights (folded onto
+  the raw features) what ``ProbeResults.to_headed`` builds a head from; ``std`` is the spread
+  of the split probes' held-out scores;
 - features are standardised per layer with the training split's statistics;
 - control task (Hewitt & Liang, 2019): each distinct input text (sequence tasks) or word type
   (token tasks) gets a fixed random label drawn from the training labels; probes are trained
