@@ -5,8 +5,8 @@ rotten-tomatoes review snippets (max length 128), 2 threads, one process.
 
   sweep     ``probe_layers(model, texts, labels)`` with its defaults: every layer, mean
             pooling, 5-fold cross-validation (L2 chosen from 5 values), the probe refitted
-            on every training example, bootstrap interval; the model is already loaded, so tokenizing, the cached backbone pass
-            and the probes are timed
+            on every training example, bootstrap interval; the model is already loaded,
+            so tokenizing, the cached backbone pass and the probes are timed
   forward   tokenize the same texts and run the bare model once over them, in the same
             batches (the sweep sorts texts by length; so does this), keeping nothing
   recipe    the usual hand-written study: the bare model with ``output_hidden_states=True``,
