@@ -64,6 +64,7 @@ class FitScores:
     l2: torch.Tensor
     test_items: torch.Tensor
     refit: Refit | None = None
+    val_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -107,6 +108,7 @@ def fit_and_score(
     tol: float = 1e-4,
     bar: tqdm | None = None,
     refit: bool = False,
+    select: str = "accuracy",
 ) -> FitScores:
     """Train every probe on standardised ``x_train`` (B, N, d) and score the chosen ones.
 
@@ -130,16 +132,27 @@ def fit_and_score(
         val_score = _weighted_r2(pred, y_train.float(), val_w)
     else:
         w, b = _fit_softmax(x_train, y_train, fit_w, l2, num_classes, max_iter, tol, bar)
-        correct = (_linear(x_train, w, b).argmax(-1) == _lead(y_train, 2)).float()
+        logits = _linear(x_train, w, b)  # (B, N, S, V, K, C)
+        correct = (logits.argmax(-1) == _lead(y_train, 2)).float()
         train_score = torch.einsum("bnsvk,sn->bsvk", correct, fit_w)
         val_score = torch.einsum("bnsvk,sn->bsvk", correct, val_w)
+        label = _lead(y_train, 2)[..., None].expand(*logits.shape[:-1], 1)
+        nll = -torch.log_softmax(logits, -1).gather(-1, label)[..., 0]  # (B, N, S, V, K)
+        val_loss = torch.einsum("bnsvk,sn->bsvk", nll, val_w)
+        del logits, nll
+    if num_classes is None:
+        val_loss = -val_score  # ridge: R^2 is already a continuous score
+    # what L2 and layers are chosen on: the validation score, or (select="loss") minus the
+    # validation log-loss, a smoother criterion than accuracy on a few hundred rows
+    criterion = -val_loss if select == "loss" else val_score
     if refit:
-        kept = _refit(w, b, train_score, val_score, l2, n_splits, num_classes is None)
+        kept = _refit(w, b, train_score, criterion, l2, n_splits, num_classes is None)
         w, b = w[:, :, :n_splits], b[:, :n_splits]
         train_score, val_score = train_score[:, :n_splits], val_score[:, :n_splits]
+        val_loss, criterion = val_loss[:, :n_splits], criterion[:, :n_splits]
     # Best validation score; ties go to the stronger penalty (the later grid entry if sorted).
     order = torch.argsort(torch.argsort(l2)).to(val_score)  # rank of each l2, 0 = weakest
-    pick = (val_score + order * 1e-7).argmax(-1)  # (B, S, V)
+    pick = (criterion + order * 1e-7).argmax(-1)  # (B, S, V)
     gather = pick[..., None]
     test_pred = _linear(x_test, w, b)  # (B, n_test, S, V, K[, C])
     idx = gather[:, None].expand(-1, test_pred.shape[1], -1, -1, -1)
@@ -153,6 +166,7 @@ def fit_and_score(
     return FitScores(
         train=train_score.gather(-1, gather)[..., 0],
         val=val_score.gather(-1, gather)[..., 0],
+        val_loss=val_loss.gather(-1, gather)[..., 0],
         test=score_items(items, y_test, num_classes is None),
         l2=l2[pick],
         test_items=items,
