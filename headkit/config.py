@@ -1,7 +1,8 @@
 """HeadConfig: what a head reads, what it predicts, and how it is trained.
 
-Field names, order and defaults follow ``transformer-heads`` so its configs run unchanged;
-headkit's own fields come after them. What a loss allows is asked of its ``LossSpec``.
+The first fields' names, order and defaults are those older multi-head libraries' configs
+use, so their configs run unchanged; headkit's own fields come after them. What a loss
+allows is asked of its ``LossSpec``.
 """
 
 from __future__ import annotations
@@ -128,7 +129,9 @@ class HeadConfig:
     def _bad(self, field_name: str, value: Any, allowed: str) -> ConfigError:
         return ConfigError(
             f"HeadConfig(name={_show(self.name)}): {field_name}={_show(value)} is invalid; "
-            f"{allowed}"
+            f"{allowed}",
+            field=field_name,
+            value=value,
         )
 
     def _as_python_values(self) -> None:

@@ -1,10 +1,14 @@
 """``headkit.export``: a trained model (or checkpoint folder) in a format other stacks serve.
 
-``format="onnx"``: one ONNX graph of every head for onnxruntime (``integrations/onnx.py``);
-``format="transformers"``: one head as a plain transformers classifier folder, where such a
-class computes it exactly (``integrations/hf_classifiers.py``). Both verify what they wrote
-against the model before they move it into ``directory``. The module is not named
-``export.py``: importing ``headkit.export`` would then shadow the function.
+Formats are the entries of ``EXPORTERS`` (``formats.py``): functions
+``(model, output_dir, **options)``, added with ``EXPORTERS.register(name, fn)``. Built in
+(registered by name in ``headkit/__init__.py``, imported when used): ``"onnx"``, one ONNX
+graph of every head for onnxruntime (``integrations/onnx.py``); ``"transformers"``, one head
+as a plain transformers classifier folder, where such a class computes it exactly
+(``integrations/hf_classifiers.py``); ``"sentence-transformers"``, one sequence head as a
+saved SentenceTransformer (``integrations/sentence_transformers.py``); ``"hub"``, the
+checkpoint staged in ``output_dir`` and pushed to ``repo_id`` (``checkpoint/hub.py``). The module
+is not named ``export.py``: importing ``headkit.export`` would then shadow the function.
 """
 
 from __future__ import annotations
@@ -14,27 +18,66 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .formats import EXPORTERS
 
-FORMATS = ("onnx", "transformers")
 
-
-def export(model: Any, directory: str | os.PathLike, format: str = "onnx", **options: Any) -> Any:
+def export(
+    model: Any,
+    directory: str | os.PathLike,
+    format: str = "onnx",
+    *,
+    overwrite: bool = False,
+    **options: Any,
+) -> Any:
     """Export ``model`` (a HeadedModel, or a checkpoint folder: its tokenizer, if saved there,
-    goes along) to ``directory``; returns what was written (``OnnxExport`` or
-    ``TransformersExport``). ``options`` are those of ``export_onnx`` / ``export_transformers``
-    (``tokenizer``, ``heads`` / ``head``, ``atol``, ...)."""
-    if format not in FORMATS:
-        raise ConfigError(f"format={format!r} is invalid; allowed: {', '.join(FORMATS)}")
+    goes along) to ``directory`` with the exporter registered as ``format`` in ``EXPORTERS``;
+    returns what it wrote (``OnnxExport``, ``TransformersExport``, ...). ``options`` are the
+    exporter's (``export_onnx``: ``tokenizer``, ``heads``, ``atol``, ...).
+
+    As ``headkit export``, nothing of the user's is replaced: an exporter that knows its own
+    output (a ``check_target(directory, overwrite, **options)`` attribute: ``onnx``,
+    ``transformers``) checks ``directory`` and its options before anything is loaded or built,
+    and replaces an earlier export of its format only with ``overwrite=True`` (only the files it
+    can prove it wrote: ``integrations/exporting.py``); any other exporter writes into a new or
+    empty folder only."""
+    if not isinstance(format, str) or format not in EXPORTERS:
+        raise ConfigError(
+            f"format={str(format)[:80]!r} is invalid; allowed: {', '.join(EXPORTERS.in_order())}",
+            field="format",
+            value=format,
+        )
+    exporter = EXPORTERS.get(format)
+    check = getattr(exporter, "check_target", None)
+    if check is not None:
+        check(Path(directory), overwrite, **options)
+        options["overwrite"] = overwrite
+    else:
+        _new_or_empty(Path(directory), format, overwrite)
     if isinstance(model, (str, os.PathLike)):
         model, tokenizer = _open(Path(model))
         options.setdefault("tokenizer", tokenizer)
-    if format == "onnx":
-        from .integrations.onnx import export_onnx
+    return exporter(model, directory, **options)
 
-        return export_onnx(model, directory, **options)
-    from .integrations.hf_classifiers import export_transformers
 
-    return export_transformers(model, directory, **options)
+def _new_or_empty(directory: Path, format: str, overwrite: bool) -> None:
+    """Refuse a folder with files for an exporter that cannot tell its own files apart."""
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise ConfigError(
+            f"directory={str(directory)!r} is a file or a link; a folder is written",
+            field="directory",
+            value=str(directory),
+        )
+    names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    if names:
+        shown = ", ".join(repr(n[:80]) for n in names[:8])
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        again = " (overwrite=True applies to onnx and transformers exports)" if overwrite else ""
+        raise ConfigError(
+            f"directory={str(directory)!r} holds files ({shown}{more}); format={format!r} "
+            f"writes into a new or empty folder only{again}",
+            field="directory",
+            value=str(directory),
+        )
 
 
 def _open(folder: Path) -> tuple[Any, Any]:

@@ -67,6 +67,9 @@ ACTIVATION = _mostly(
     st.sampled_from(ACTIVATIONS.names()), st.sampled_from(["relu2", "", "SIGMOID", 3, None])
 )
 POOLING_PARTS = [*POOLINGS.names(), "cls"]
+# patch_mean averages a vision backbone's patches; on a text backbone it is refused naming
+# the reason (tests/heads/test_patch_mean.py), so text-only properties draw the others.
+TEXT_POOLING_PARTS = [p for p in POOLING_PARTS if p != "patch_mean"]
 POOLING = st.one_of(
     st.none(),
     st.lists(st.sampled_from(POOLING_PARTS), min_size=1, max_size=3).map("+".join),
@@ -276,7 +279,7 @@ def test_any_head_on_any_batch_predicts_or_raises_a_headkit_error(
 
 @settings(max_examples=60, **SETTINGS)
 @given(
-    pooling=st.lists(st.sampled_from(POOLING_PARTS), min_size=1, max_size=3, unique=True),
+    pooling=st.lists(st.sampled_from(TEXT_POOLING_PARTS), min_size=1, max_size=3, unique=True),
     arch=st.sampled_from(["gpt2", "bert"]),
     batch=batches(),
 )

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import BatchError
-from .checks import check_inputs, check_signal, input_embeddings
+from .checks import check_inputs, check_signal, check_vision_language, input_embeddings
 from .inspection import OWN_INPUTS, BackboneInfo, run_backbone
 from .modalities import SIGNAL_INPUTS, frame_mask
 from .positions import (
@@ -125,11 +125,32 @@ def prepare_inputs(
         inputs = _signal_inputs(backbone, info, batch, extras, check)
     else:
         inputs = _token_inputs(backbone, info, batch, extras, check)
+        if check and info.modality == "vision-language":
+            check_vision_language(backbone, batch)
     if info.decoder is not None:
         inputs.decoder_kwargs, inputs.decoder_mask = prepare_decoder_inputs(
             backbone, info, batch, check
         )
+        if check and inputs.decoder_kwargs is not None:
+            _check_stack_batches(info, inputs.shape[0], batch)
     return inputs
+
+
+def _check_stack_batches(info: BackboneInfo, rows: int, batch: Mapping[str, Any]) -> None:
+    """An encoder–decoder batch's encoder and decoder inputs have as many rows."""
+    decoder = next(
+        batch[k] for k in ("decoder_input_ids", "decoder_inputs_embeds") if batch.get(k) is not None
+    )
+    if decoder.shape[0] != rows:
+        name = (
+            "decoder_input_ids"
+            if batch.get("decoder_input_ids") is not None
+            else "decoder_inputs_embeds"
+        )
+        raise BatchError(
+            f"{name} has {decoder.shape[0]} rows but the encoder's {info.main_input} has "
+            f"{rows}; allowed: one decoder row per encoder row"
+        )
 
 
 def _token_inputs(

@@ -32,6 +32,7 @@ from .modalities import (
     modality_of,
     pooler_of,
     recorded_block_classes,
+    special_token_count,
     stack_length,
     stack_ties_last,
     stage_depths,
@@ -76,6 +77,7 @@ class BackboneInfo:
     main_input: str = "input_ids"  # what drives the backbone (main_input_name)
     extra_inputs: tuple[str, ...] = ()  # batch inputs of its forward beyond OWN_INPUTS
     has_cls: bool = False  # a vision model's class token
+    special_tokens: int = 0  # a vision model's leading non-patch tokens (CLS, registers)
     own_positions: bool = False  # numbers positions itself (multimodal rotary)
     decoder: BackboneInfo | None = None  # an encoder–decoder model's decoder stack
     stack: str = "encoder"  # which stack this describes ("encoder": also a model's only one)
@@ -162,6 +164,7 @@ def inspect_backbone(model: PreTrainedModel, layers_path: str | None = None) -> 
         main_input=main_input_of(model),
         extra_inputs=extra_inputs(names, OWN_INPUTS),
         has_cls=has_cls_token(model),
+        special_tokens=special_token_count(model, int(hidden)),
         own_positions=computes_own_positions(model),
         stack_params=params,
     )

@@ -224,6 +224,24 @@ def has_cls_token(backbone: nn.Module) -> bool:
     )
 
 
+#: Parameters holding tokens a vision model puts before its patches: ViT's and DINOv2's
+#: ``cls_token``, CLIP's ``class_embedding``, DeiT's ``distillation_token``, DINOv2's
+#: ``register_tokens`` (each holds one token per row of ``hidden_size``).
+_SPECIAL_TOKEN_PARAMS = ("cls_token", "class_embedding", "distillation_token", "register_tokens")
+
+
+def special_token_count(backbone: nn.Module, hidden_size: int) -> int:
+    """How many leading positions of a vision model's hidden states are no image patch: its
+    CLS token, DINOv2's ``num_register_tokens`` registers, DeiT's distillation token (0 for
+    SigLIP, which has none). Read from the parameters holding them, so it holds for any
+    model built that way ("patch_mean" pooling skips them)."""
+    count = 0
+    for name, param in backbone.named_parameters():
+        if name.rsplit(".", 1)[-1] in _SPECIAL_TOKEN_PARAMS and param.shape[-1] == hidden_size:
+            count += param.numel() // hidden_size
+    return count
+
+
 def pooler_of(model: nn.Module) -> nn.Module | None:
     """The module that makes a bare model's ``pooler_output`` from its states, if it has one:
     its ``pooler`` (BERT, ViT: dense + tanh over the first token) or an attention-pooling

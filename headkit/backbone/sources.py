@@ -313,7 +313,9 @@ def resolve_model(
     if name == "packaged:smollm2":
         return str(smollm2_path()), {"gguf_file": SMOLLM2_GGUF, "torch_dtype": "float32", **kwargs}
     raise ConfigError(
-        f"model={name!r} is not a packaged model; allowed: {', '.join(PACKAGED_MODELS)}"
+        f"model={name!r} is not a packaged model; allowed: {', '.join(PACKAGED_MODELS)}",
+        field="model",
+        value=name,
     )
 
 

@@ -1,6 +1,6 @@
 """LoRA adapters and quantised backbones in checkpoints.
 
-A checkpoint of a HeadedModel whose backbone carries a LoRA adapter holds what was trained::
+A checkpoint of a CheckpointModel whose backbone carries a LoRA adapter holds what was trained::
 
     adapter-<token>/adapter_model.safetensors   the adapter, keyed as peft writes it
     adapter-<token>/adapter_config.json          its LoraConfig, targets resolved to exact names
@@ -41,7 +41,7 @@ from .manifest import MANIFEST, fsync_file, sha256_file
 from .paths import check_tree_inside
 
 if TYPE_CHECKING:
-    from ..model.headed import HeadedModel
+    from .contract import CheckpointModel
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -51,7 +51,7 @@ MAX_LORA_RANK = 4096
 
 
 # ---------------------------------------------------------------------- writing
-def write_adapter(model: HeadedModel, root: Path, token: str) -> dict[str, Any] | None:
+def write_adapter(model: CheckpointModel, root: Path, token: str) -> dict[str, Any] | None:
     """Write the backbone's LoRA adapter to ``root/adapter-<token>/`` (None: it has none)."""
     backbone = model.backbone
     if not has_adapters(backbone):

@@ -17,7 +17,8 @@ the names it replaces (those of headkit's form the previous manifest says a save
 After the commit it removes those that are proven as above and its own temporaries (never a
 name the new manifest uses), then the record. A save that fails removes what it created. A
 record left by a save that was killed is finished by the next save into the folder (under
-the folder lock, so that save is dead). A record that is not in headkit's form (hand-written,
+the folder lock, so that save is dead), or by the next load of a writable folder while no save
+holds the lock (``finish_killed_saves``). A record that is not in headkit's form (hand-written,
 a folder, of another token) is reported with a warning and left alone; it never blocks a
 save. Nothing else in the folder is touched: ``data-0123456789ab.csv``, ``backbone-user/``,
 ``heads-notes.md`` stay, whatever a manifest or a record names.
@@ -25,6 +26,7 @@ save. Nothing else in the folder is touched: ``data-0123456789ab.csv``, ``backbo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,8 +35,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .manifest import fsync_dir, fsync_file, sha256_file
-from .paths import MANIFEST, owned_files, read_raw, referenced_files, token_of
+from .lock import folder_lock
+from .manifest import fsync_dir, sha256_file
+from .paths import (
+    MANIFEST,
+    containment_root,
+    owned_files,
+    read_raw,
+    referenced_files,
+    token_of,
+)
 
 PREFIX = ".headkit-save-"
 #: The file inside each folder a save writes, holding the save's token.
@@ -97,9 +107,12 @@ class PendingSave:
 
     def __enter__(self) -> PendingSave:
         record = {"format": "headkit-save", "token": self.token, "replaces": self.replaces}
-        self.path.write_text(json.dumps(record))
-        fsync_file(self.path)
-        fsync_dir(self.root)
+        try:
+            write_record(self.path, json.dumps(record))
+            fsync_dir(self.root)
+        except BaseException:  # e.g. the disk is full: no record of a save that never started
+            self.path.unlink(missing_ok=True)
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -108,6 +121,28 @@ class PendingSave:
             replaced = self.replaces if exc_type is None else []
             _finish(self.root, self.token, replaced, in_use(manifest), self.previous)
         self.path.unlink(missing_ok=True)
+
+
+def write_record(path: Path, text: str) -> None:
+    """Write a save's record (created exclusively) and make it durable."""
+    with open(path, "x", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def finish_killed_saves(root: Path) -> None:
+    """On load: finish the records of saves that were killed, when the folder is writable and
+    no save holds its lock right now (a live save finishes its own); never waits, never
+    fails the load."""
+    if not any(_RECORD.fullmatch(p.name) for p in root.glob(f"{PREFIX}*.json")):
+        return
+    if not os.access(root, os.W_OK) or containment_root(root) != root.resolve():
+        return  # read-only, or a hub cache snapshot: never changed by a load
+    with contextlib.suppress(OSError, ValueError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a record not in headkit's form: the next save says so
+        with folder_lock(root, timeout=0):
+            recover(root)
 
 
 def recover(root: Path) -> None:
@@ -231,11 +266,23 @@ def _proven_by_checksums(root: Path, name: str, manifest: Any) -> bool:
 
 
 def _delete(path: Path) -> None:
-    """Delete a file, a symlink itself (never its target) or a folder with its contents."""
+    """Delete a file, a symlink itself (never its target) or a folder with its contents; a
+    folder's token marker goes last, so a save killed while deleting leaves a folder that
+    still proves itself headkit's, and the next save (``recover``) finishes the deletion."""
     try:
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            for entry in sorted(path.iterdir(), key=lambda e: e.name == MARKER):
+                delete_entry(entry)
+            path.rmdir()
         else:
             path.unlink(missing_ok=True)
     except OSError as e:
         warnings.warn(f"could not remove {str(path)!r}: {e}", stacklevel=4)
+
+
+def delete_entry(entry: Path) -> None:
+    """Delete one entry of a folder being deleted (a sub-folder with its contents)."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()

@@ -36,10 +36,12 @@ LOCK_TIMEOUT_S = 3600.0
 
 
 @contextmanager
-def folder_lock(root: Path) -> Iterator[None]:
-    """Hold the folder's save lock for the duration of the ``with`` block."""
+def folder_lock(root: Path, timeout: float | None = None) -> Iterator[None]:
+    """Hold the folder's save lock for the duration of the ``with`` block (CheckpointError
+    when another save holds it for longer than ``timeout`` seconds, default LOCK_TIMEOUT_S)."""
     path = root / LOCK
-    fd = _acquire(path, LOCK_TIMEOUT_S) if fcntl is not None else None
+    wait = LOCK_TIMEOUT_S if timeout is None else timeout
+    fd = _acquire(path, wait) if fcntl is not None else None
     try:
         yield
     finally:

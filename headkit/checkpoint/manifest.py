@@ -124,13 +124,17 @@ def check_head_count(count: int, where: str) -> None:
         )
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters (manifests can hold huge values)."""
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (manifests can hold huge values): what an
+    error message echoes of a value read from a file."""
     try:
         text = repr(value)
     except ValueError:  # an integer beyond sys.get_int_max_str_digits()
         text = f"<int of about {int(value.bit_length() * 0.30103)} digits>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_short = short_repr
 
 
 def _check_version(manifest: dict[str, Any], where: str) -> None:

@@ -38,14 +38,15 @@ from ..backbone.sources import (
 from ..backbone.tying import tie_head_weights
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
+from ..formats import DEFAULT_READER, READERS, CheckpointFormat, reader_for
 from .adapters import backbone_load_kwargs, load_adapter, verify_adapter_files
+from .journal import finish_killed_saves
 from .manifest import MANIFEST, TIED, read_manifest, sha256_file
-from .paths import HUB_KWARGS, check_inside, check_tree_inside, resolve_checkpoint
+from .paths import HUB_KWARGS, check_inside, check_tree_inside, is_checkpoint, resolve_checkpoint
 from .sizes import backbone_width, check_sizes
-from .transformer_heads import read_transformer_heads
 
 if TYPE_CHECKING:
-    from ..model.headed import HeadedModel
+    from .contract import CheckpointModel
 
 #: How many times (at most), and for how long, a load starts again when other processes'
 #: saves keep replacing what it reads: a load on a busy machine can span several quick saves.
@@ -61,7 +62,12 @@ class Checkpoint:
     root: Path
     manifest: dict[str, Any]
     head_state: dict[str, torch.Tensor]
-    foreign: Any = None  #: the reader of a transformer-heads folder (``transformer_heads.py``)
+    #: how this checkpoint's backbone and heads load (``formats.CheckpointFormat``)
+    format: CheckpointFormat = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.format is None:
+            self.format = HEADKIT_FORMAT
 
     @property
     def heads(self) -> list[HeadConfig]:
@@ -100,10 +106,7 @@ def read_checkpoint(checkpoint_dir: str | os.PathLike) -> Checkpoint:
 
 
 def _read(root: Path) -> Checkpoint:
-    found = read_transformer_heads(root)
-    if found is not None:
-        return Checkpoint(root, found.manifest, found.head_state, foreign=found)
-    return _read_once(root)
+    return reader_for(root).read(root)
 
 
 def retrying(root: Path, load: Callable[[], _T]) -> _T:
@@ -137,6 +140,7 @@ def _manifest_bytes(root: Path) -> bytes | None:
 
 
 def _read_once(root: Path) -> Checkpoint:
+    finish_killed_saves(root)
     manifest = read_manifest(root)
     check_inside(root / MANIFEST, root, "manifest")
     state = read_head_weights(root, manifest)
@@ -165,7 +169,7 @@ def _config_json(ckpt: Checkpoint) -> Path | None:
 
 def restore(
     checkpoint: str | os.PathLike | Checkpoint,
-    model: HeadedModel | None = None,
+    model: CheckpointModel | None = None,
     *,
     model_cls: type | None = None,
     freeze_base_model: bool = True,
@@ -174,11 +178,11 @@ def restore(
     device_map: Any = None,
     model_class: type | None = None,
     **from_pretrained_kwargs: Any,
-) -> HeadedModel:
+) -> CheckpointModel:
     """Restore a HeadedModel from a checkpoint: build one (``model=None``, with ``model_cls``)
     or load into ``model`` in place. The loading keywords apply only when building;
-    ``model_class`` (a transformers class) must match the backbone's family, and loads a
-    transformer-heads checkpoint's backbone (headkit's load as recorded)."""
+    ``model_class`` (a transformers class) must match the backbone's family; a format whose
+    checkpoints record no class loads its backbone with it (``CheckpointFormat``)."""
     if from_pretrained_kwargs.get("trust_remote_code"):
         raise ConfigError(
             "trust_remote_code=True is not accepted when loading a checkpoint: headkit never "
@@ -208,7 +212,7 @@ def restore(
 
 def _restore(
     ckpt: Checkpoint,
-    model: HeadedModel | None,
+    model: CheckpointModel | None,
     from_pretrained_kwargs: dict[str, Any],
     *,
     model_cls: type | None,
@@ -217,25 +221,15 @@ def _restore(
     torch_dtype: Any,
     device_map: Any,
     model_class: type | None,
-) -> HeadedModel:
+) -> CheckpointModel:
     backbone_done = False
     if model is None:
         if model_cls is None:
             raise ConfigError("restore(model=None) needs model_cls to build the model")
         kwargs, device_map = backbone_load_kwargs(ckpt, from_pretrained_kwargs, device_map)
-        if ckpt.foreign is not None:
-            backbone, source = ckpt.foreign.load_backbone(
-                model_class, torch_dtype, device_map, kwargs
-            )
-            ckpt.foreign.load_adapter(base_model_of(backbone), trainable=not only_inference)
-        else:
-            _check_class(ckpt, model_class)
-            backbone, source = _load_backbone(ckpt, torch_dtype, device_map, kwargs)
-            if model_class is not None:
-                check_model_class(
-                    model_class, backbone.config.model_type, ckpt.root, type(backbone).__name__
-                )
-            load_adapter(base_model_of(backbone), ckpt, trainable=not only_inference)
+        backbone, source = ckpt.format.build_backbone(
+            ckpt, model_class, torch_dtype, device_map, kwargs, not only_inference
+        )
         model = model_cls(
             backbone,
             ckpt.heads,
@@ -252,7 +246,7 @@ def _restore(
     return model
 
 
-def set_weighting(model: HeadedModel, ckpt: Checkpoint) -> None:
+def set_weighting(model: CheckpointModel, ckpt: Checkpoint) -> None:
     """Give ``model`` the loss weighting scheme the checkpoint was saved with."""
     weighting = ckpt.weighting
     name = weighting.pop("name", "fixed")
@@ -264,7 +258,7 @@ def set_weighting(model: HeadedModel, ckpt: Checkpoint) -> None:
         ) from None
 
 
-def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = True) -> None:
+def apply_checkpoint(model: CheckpointModel, ckpt: Checkpoint, *, backbone: bool = True) -> None:
     """Load the checkpoint's state into ``model`` in place (heads, weighting, settings, and the
     saved backbone when ``backbone``); the model must have the checkpoint's heads and scheme."""
     where = str(ckpt.root)
@@ -281,19 +275,55 @@ def apply_checkpoint(model: HeadedModel, ckpt: Checkpoint, *, backbone: bool = T
         )
     trainable = {n: c.trainable for n, c in model.head_configs.items()}
     tie_head_weights(model.backbone, model.heads, ckpt.tied, trainable, where)
-    state = ckpt.head_state if ckpt.foreign is None else ckpt.foreign.head_state_for(model)
-    load_head_weights(model, state, where)
+    load_head_weights(model, ckpt.format.head_tensors(ckpt, model), where)
     model.nonfinite_loss = ckpt.nonfinite_loss
-    folder = ckpt.saved_backbone
-    if backbone and folder is not None:
-        load_backbone_state(model.backbone, folder)
-    if backbone and ckpt.foreign is not None:
-        ckpt.foreign.load_backbone_state(model.backbone)
-        ckpt.foreign.load_adapter(model.backbone, trainable=True)
-    elif backbone:
-        load_adapter(model.backbone, ckpt)  # strict: a LoRA adapter, or none on either side
-    if folder is None:
+    if backbone:
+        ckpt.format.load_backbone_into(ckpt, model)
+    if ckpt.saved_backbone is None:
         _check_fingerprint(model, ckpt.backbone.get("fingerprint"))
+
+
+class HeadkitFormat:
+    """headkit's own checkpoints (``head_configs.json``): the ``"headkit"`` reader and its
+    format."""
+
+    def detect(self, root: Path) -> bool:
+        return is_checkpoint(root)
+
+    def read(self, root: Path) -> Checkpoint:
+        return _read_once(root)
+
+    def build_backbone(
+        self,
+        ckpt: Checkpoint,
+        model_class: type | None,
+        torch_dtype: Any,
+        device_map: Any,
+        kwargs: dict[str, Any],
+        trainable: bool,
+    ) -> tuple[Any, BackboneSource]:
+        """The backbone as recorded (saved in the folder, or its reference), its adapter in."""
+        _check_class(ckpt, model_class)
+        backbone, source = _load_backbone(ckpt, torch_dtype, device_map, kwargs)
+        if model_class is not None:
+            check_model_class(
+                model_class, backbone.config.model_type, ckpt.root, type(backbone).__name__
+            )
+        load_adapter(base_model_of(backbone), ckpt, trainable=trainable)
+        return backbone, source
+
+    def head_tensors(self, ckpt: Checkpoint, model: CheckpointModel) -> dict[str, torch.Tensor]:
+        return ckpt.head_state
+
+    def load_backbone_into(self, ckpt: Checkpoint, model: CheckpointModel) -> None:
+        folder = ckpt.saved_backbone
+        if folder is not None:
+            load_backbone_state(model.backbone, folder)
+        load_adapter(model.backbone, ckpt)  # strict: a LoRA adapter, or none on either side
+
+
+HEADKIT_FORMAT = HeadkitFormat()
+READERS.register(DEFAULT_READER, HEADKIT_FORMAT)
 
 
 def _check_class(ckpt: Checkpoint, model_class: type | None) -> None:
@@ -321,7 +351,7 @@ def _check_class(ckpt: Checkpoint, model_class: type | None) -> None:
     check_model_class(model_class, model_type, ckpt.root, recorded)
 
 
-def _check_fingerprint(model: HeadedModel, recorded: Any) -> None:
+def _check_fingerprint(model: CheckpointModel, recorded: Any) -> None:
     """Warn when a referenced backbone differs from the one the heads were saved with."""
     source = getattr(model, "source", None)
     if not isinstance(recorded, str) or not recorded or source is None:
@@ -431,7 +461,7 @@ def read_head_weights(checkpoint_dir: str | os.PathLike, manifest: dict) -> dict
     return _load_safetensors(path, "weights file")
 
 
-def load_head_weights(model: HeadedModel, state: dict[str, torch.Tensor], where: str) -> None:
+def load_head_weights(model: CheckpointModel, state: dict[str, torch.Tensor], where: str) -> None:
     """Copy ``state`` into the model's heads, raising CheckpointError on any mismatch."""
     own = model.head_state_dict()
     missing = sorted(set(own) - set(state))

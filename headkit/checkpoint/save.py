@@ -14,10 +14,12 @@ model was loaded from).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +30,6 @@ from ..backbone.tying import tied_head_weights
 from ..errors import CheckpointError, ConfigError
 from ..losses.weighting import savable_config
 from .adapters import quantization_entry, write_adapter
-from .borrow import commit_backbone_folder, foreign_owner, link_backbone, new_backbone_folder
 from .card import write_card
 from .journal import PendingSave, recover
 from .lock import folder_lock
@@ -43,15 +44,22 @@ from .manifest import (
     sha256_file,
 )
 from .paths import read_raw
+from .shared_backbone import (
+    commit_backbone_folder,
+    foreign_owner,
+    link_backbone,
+    new_backbone_folder,
+)
 
 if TYPE_CHECKING:
-    from ..model.headed import HeadedModel
+    from .contract import CheckpointModel
 
-#: transformers' ``save_pretrained`` keywords headkit accepts (others get a ConfigError).
-SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size")
+#: The keywords ``HeadedModel.save_pretrained`` accepts (others get a ConfigError);
+#: ``main_process_only`` is taken by it before ``save_checkpoint`` runs.
+SAVE_OPTIONS = ("save_backbone", "safe_serialization", "max_shard_size", "main_process_only")
 
 
-def backbone_is_referable(model: HeadedModel) -> bool:
+def backbone_is_referable(model: CheckpointModel) -> bool:
     """A frozen backbone, unchanged since it was loaded from a recorded source (LoRA adapters
     left out: they are saved on their own)."""
     src = model.source
@@ -64,7 +72,7 @@ def backbone_is_referable(model: HeadedModel) -> bool:
 
 
 def save_checkpoint(
-    model: HeadedModel,
+    model: CheckpointModel,
     save_directory: str | os.PathLike,
     *,
     save_backbone: bool | None = None,
@@ -146,7 +154,7 @@ def _check_options(safe_serialization: Any, max_shard_size: Any, unsupported: di
 
 
 def _backbone_entry(
-    model: HeadedModel,
+    model: CheckpointModel,
     root: Path,
     token: str,
     previous: Any,
@@ -193,7 +201,7 @@ def _backbone_entry(
     }
 
 
-def _saved_in_place(model: HeadedModel, root: Path, previous: Any) -> dict[str, Any] | None:
+def _saved_in_place(model: CheckpointModel, root: Path, previous: Any) -> dict[str, Any] | None:
     """The current manifest's saved-backbone entry, when the model was restored from that
     very folder of this checkpoint and is unchanged: saving heads back keeps it."""
     src = model.source
@@ -211,7 +219,7 @@ def _saved_in_place(model: HeadedModel, root: Path, previous: Any) -> dict[str, 
     return {k: bb[k] for k in ("kind", "path", "files_sha256", "fingerprint") if k in bb}
 
 
-def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
+def _write_heads(model: CheckpointModel, root: Path, token: str) -> str:
     name = f"heads-{token}.safetensors"
     tmp = root / f".tmp-{name}"
     state = {k: v.detach().contiguous().cpu() for k, v in model.head_state_dict().items()}
@@ -225,18 +233,43 @@ def _write_heads(model: HeadedModel, root: Path, token: str) -> str:
 
 
 def _write_backbone(
-    model: HeadedModel, root: Path, token: str, max_shard_size: int | str | None = None
+    model: CheckpointModel, root: Path, token: str, max_shard_size: int | str | None = None
 ) -> dict[str, Any]:
     options = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     # a LoRA backbone is saved as it was before peft (its adapter is saved on its own)
     if has_adapters(model.backbone):
         options["state_dict"] = base_state_dict(model.backbone)
     tmp = new_backbone_folder(root, token)
-    model.backbone.save_pretrained(tmp, safe_serialization=True, **options)
+    with _written_on_this_rank(model.backbone):
+        model.backbone.save_pretrained(tmp, safe_serialization=True, **options)
+    if not any(tmp.glob("*.safetensors")):
+        raise CheckpointError(
+            f"saving the backbone of {type(model.backbone).__name__} into {str(root)!r} wrote "
+            "no weights file; nothing was committed"
+        )
     for f in tmp.iterdir():
         if f.is_file():
             fsync_file(f)
     return commit_backbone_folder(tmp, root)
+
+
+@contextlib.contextmanager
+def _written_on_this_rank(backbone: Any) -> Iterator[None]:
+    """transformers' ``save_pretrained`` writes nothing on a rank other than 0 of a process
+    group; a headkit save runs only on the process meant to write (rank 0 of a collective
+    save, or a save ``main_process_only=False`` asked for), so that process writes."""
+    if not callable(getattr(type(backbone), "should_save_on_this_rank", None)):
+        yield
+        return
+    backbone.should_save_on_this_rank = _always
+    try:
+        yield
+    finally:
+        del backbone.should_save_on_this_rank
+
+
+def _always(is_main_process: bool) -> bool:
+    return is_main_process
 
 
 def _commit(root: Path, manifest: dict[str, Any], token: str) -> None:

@@ -17,7 +17,7 @@ from ..model.headed import HeadedModel
 CLI_SETTINGS = "headkit_cli.json"
 
 
-def save_checkpoint(
+def save_trained(
     model: HeadedModel, tokenizer: Any, out: str | Path, settings: dict[str, Any]
 ) -> Path:
     """Write the model's checkpoint, its tokenizer and the CLI settings to ``out`` (a new or
@@ -47,7 +47,9 @@ def open_checkpoint(
         tokenizer = AutoTokenizer.from_pretrained(str(root), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(
-            f"CHECKPOINT={str(root)!r} holds no tokenizer ({e}); was it written by headkit train?"
+            f"CHECKPOINT={str(root)!r} holds no tokenizer ({e}); was it written by headkit train?",
+            field="CHECKPOINT",
+            value=str(root),
         ) from None
     return model.eval(), tokenizer, settings
 

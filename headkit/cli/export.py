@@ -1,12 +1,15 @@
 """``headkit export CHECKPOINT --format onnx --output DIR``: a checkpoint in a format other
 stacks serve: one ONNX graph of every head, or one head as a plain transformers classifier
-(``headkit.export``). Importing this module imports argparse only; ``run`` imports the rest.
+(``headkit.export``). ``--format`` lists the export formats registered in
+``headkit.formats.EXPORTERS``. Importing this module imports argparse and that registry only;
+``run`` imports the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from ..formats import EXPORTERS
 from .options import add_overwrite, add_quiet
 
 HELP = "export a checkpoint as ONNX (every head) or a plain transformers classifier (one head)"
@@ -21,7 +24,10 @@ AutoModelForTokenClassification)"""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument(
-        "--format", choices=("onnx", "transformers"), default="onnx", help="default onnx"
+        "--format",
+        choices=EXPORTERS.in_order(),
+        default="onnx",
+        help="an export format registered in headkit.EXPORTERS (default onnx)",
     )
     p.add_argument(
         "--output",
@@ -53,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
     from ..errors import ConfigError
 
     check_export_folder(args)
-    options: dict = {"atol": args.atol}
+    options: dict = {"atol": args.atol, "overwrite": args.overwrite}
     if args.format == "onnx":
         options.update(heads=args.head, opset=args.opset, exporter=args.exporter)
         result = export(args.checkpoint, args.output, "onnx", **options)
@@ -67,7 +73,13 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--head given {len(args.head)} times; a transformers classifier holds one"
         )
-    options.update(head=args.head[0] if args.head else None, pad_token_id=args.pad_token_id)
+    options["head"] = args.head[0] if args.head else None
+    if args.format != "transformers":  # another registered format: its head, if one is named
+        options = {"head": options["head"]} if args.head else {}
+        result = export(args.checkpoint, args.output, args.format, **options)
+        print(f"wrote {args.output} ({args.format}: {type(result).__name__})")
+        return
+    options["pad_token_id"] = args.pad_token_id
     result = export(args.checkpoint, args.output, "transformers", **options)
     print(
         f"wrote {result.directory} ({result.model_class}, loads with {result.auto_class}; max "
@@ -82,12 +94,12 @@ def check_export_folder(args: argparse.Namespace) -> None:
     from ..integrations.onnx import SIDECAR as ONNX_SIDECAR
     from .outputs import check_output_folder, local_inputs
 
-    sidecar = ONNX_SIDECAR if args.format == "onnx" else TRANSFORMERS_SIDECAR
+    sidecar = {"onnx": ONNX_SIDECAR, "transformers": TRANSFORMERS_SIDECAR}.get(args.format)
     check_output_folder(
         args.output,
         local_inputs(args.checkpoint),
         args.overwrite,
-        ours=lambda folder: (folder / sidecar).is_file(),
+        ours=lambda folder: sidecar is not None and (folder / sidecar).is_file(),
         what=f"an earlier {args.format} export",
     )
 

@@ -30,19 +30,19 @@ COMMANDS = {
     "push": push,
 }
 
-#: Library messages that start with a parameter name are reported as the option's error.
-_OPTIONS = {
-    "layers=": "--layers",
-    "pooling=": "--pooling",
-    "task=": "--task",
-    "val_splits=": "--val-splits",
-    "l2=": "--l2",
-    "model=": "--model",
-    "data=": "--data",
-    "data file": "--data",
-    "CONFIG=": "CONFIG",
-    "CHECKPOINT=": "CHECKPOINT",
-    "OUT=": "OUT",
+#: An error's ``field`` (``HeadkitError.field``) -> the option it is reported as, where the
+#: command has that option: library arguments by their option names, positionals as named.
+_FIELD_OPTIONS = {
+    "layers": "--layers",
+    "pooling": "--pooling",
+    "task": "--task",
+    "val_splits": "--val-splits",
+    "l2": "--l2",
+    "model": "--model",
+    "data": "--data",
+    "CONFIG": "CONFIG",
+    "CHECKPOINT": "CHECKPOINT",
+    "OUT": "OUT",
 }
 
 
@@ -103,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             args.run(args)
     except HeadkitError as e:
         message = " ".join(str(e).split())
-        option = next(
-            (o for k, o in _OPTIONS.items() if message.startswith(k) and _has(args, o)), None
-        )
+        option = _FIELD_OPTIONS.get(e.field) if isinstance(e.field, str) else None
+        option = option if option is not None and _has(args, option) else None
         prefix = f"argument {option}: " if option else ""
         print(f"headkit {args.command}: error: {prefix}{message}", file=sys.stderr)
         return 2

@@ -28,6 +28,34 @@ def positive(text: str) -> int:
     return value
 
 
+#: ``--val-splits``: how many validation splits a probe averages over, at most.
+MAX_VAL_SPLITS = 100
+#: ``--seed``: seeds from 0 to 2**32 - 1 (what numpy, torch and scikit-learn all take).
+MAX_SEED = 2**32 - 1
+
+
+def val_splits(text: str) -> int:
+    """``--val-splits``: an integer from 1 to MAX_VAL_SPLITS."""
+    return _int_in(text, 1, MAX_VAL_SPLITS)
+
+
+def seed(text: str) -> int:
+    """``--seed``: an integer from 0 to MAX_SEED."""
+    return _int_in(text, 0, MAX_SEED)
+
+
+def _int_in(text: str, low: int, high: int) -> int:
+    try:
+        value = int(text) if len(text) <= 40 else None
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text[:40]!r}; allowed: an integer from {low} to {high}"
+        )
+    return value
+
+
 def fraction(text: str) -> float:
     try:
         value = float(text)

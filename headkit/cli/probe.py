@@ -26,7 +26,8 @@ from .options import (
     key_value,
     layers,
     poolings,
-    positive,
+    seed,
+    val_splits,
 )
 
 if TYPE_CHECKING:
@@ -80,15 +81,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--control", action="store_true", help="also probe a control task: selectivity")
     add(
         "--folds",
-        type=positive,
+        type=val_splits,
         help="k-fold cross-validation picks the L2 and the layer (default: 5 folds)",
     )
     add(
         "--val-splits",
-        type=positive,
+        type=val_splits,
         help="random validation splits instead of folds (each holds out 20%% of --data)",
     )
-    add("--seed", type=int, default=0, help="seed of the held-out split (default 0)")
+    add("--seed", type=seed, default=0, help="seed of the held-out split (default 0)")
     add(
         "--test-fraction",
         type=fraction,
@@ -116,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ..model.ranks import is_main
+    from ..distributed.ranks import is_main
     from ..probe.sweep import probe_layers
     from .options import check_model_kwargs
     from .outputs import local_inputs
@@ -194,7 +195,7 @@ def save_probe(results: ProbeResults, folder: Path, args: argparse.Namespace) ->
     """The best probe as a checkpoint folder ``headkit predict`` / ``eval`` read: the head
     (named ``probe``, reading the label column), the tokenizer and ``headkit_cli.json``."""
     from ..backbone.sources import load_tokenizer
-    from .checkpoints import save_checkpoint
+    from .checkpoints import save_trained
 
     model = results.to_headed()
     tokenizer = load_tokenizer(args.model, dict(args.model_kwarg))
@@ -204,7 +205,7 @@ def save_probe(results: ProbeResults, folder: Path, args: argparse.Namespace) ->
         "max_length": args.max_length,
     }
     best = results.best()
-    save_checkpoint(model, tokenizer, folder, settings)
+    save_trained(model, tokenizer, folder, settings)
     print(f"wrote the probe of layer {best.layer} ({best.pooling}) to {folder}")
 
 

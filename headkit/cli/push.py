@@ -1,5 +1,5 @@
 """``headkit push CHECKPOINT REPO_ID``: upload a checkpoint folder and its model card to the
-Hugging Face hub (``headkit.model.hub``); ``--dry-run --output DIR`` writes what would be
+Hugging Face hub (``headkit.checkpoint.hub``); ``--dry-run --output DIR`` writes what would be
 uploaded instead. Importing this module imports argparse only; ``run`` imports the rest.
 """
 
@@ -34,9 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from ..checkpoint.hub import push_to_hub
     from ..errors import ConfigError
     from ..model.headed import HeadedModel
-    from ..model.hub import push_to_hub
 
     if args.output and not args.dry_run:
         raise ConfigError("--output is where --dry-run writes the staged folder; add --dry-run")

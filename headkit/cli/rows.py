@@ -103,6 +103,13 @@ def encode_rows(
     from each head's ``extra["classes"]``.
     """
     kinds = _targets(configs)
+    for target, column in (label_columns or {}).items():
+        if target not in kinds:
+            heads = ", ".join(f"{c.name} (target {c.target})" for c in configs[:20])
+            raise ConfigError(
+                f"--label-column {str(target)[:80]}={str(column)[:80]}: no head has target "
+                f"{str(target)[:80]!r}; the heads: {heads}"
+            )
     words = any(k["token"] for k in kinds.values())
     if words:
         texts = [as_list(r[text_column], text_column, i) for i, r in enumerate(rows)]

@@ -106,7 +106,11 @@ def load_train_config(
 
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"CONFIG={str(path)!r} does not exist; a YAML file (see docs/cli.md)")
+        raise ConfigError(
+            f"CONFIG={str(path)!r} does not exist; a YAML file (see docs/cli.md)",
+            field="CONFIG",
+            value=str(path),
+        )
     parsed = parse_config(load_yaml(path), str(path))
     training = parsed.training.model_dump()
     for key, value in DEFAULTS[training["freeze_backbone"]].items():
@@ -205,7 +209,7 @@ def run_train(
 
     from ..backbone.sources import load_tokenizer, resolve_model
     from ..loading import load_headed
-    from .checkpoints import save_checkpoint
+    from .checkpoints import save_trained
     from .datafiles import read_rows, require_columns, require_labels
     from .evaluate import run_eval
     from .fitting import STATE_FOLDER, TrainingState, fit_heads
@@ -237,7 +241,7 @@ def run_train(
     calibration = _calibrate(model, tokenizer, examples, training)
     settings = {k: data[k] for k in ("text_column", "label_columns")}
     settings["max_length"] = training["max_length"]
-    out = save_checkpoint(model, tokenizer, config["output"], settings)
+    out = save_trained(model, tokenizer, config["output"], settings)
     TrainingState(out / STATE_FOLDER, model, None).remove()  # the checkpoint supersedes it
     result: dict[str, Any] = {
         "resumed_after": fit.resumed_after,

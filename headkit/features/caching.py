@@ -29,7 +29,9 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ..backbone.fingerprint import tensors_fingerprint
 from ..backbone.inputs import batch_inputs, drop_tokenizer_extras, prepare_inputs, run_stage
+from ..distributed import ranks
 from ..errors import BatchError, ConfigError
 from ..losses.objective import (
     IGNORE_INDEX,
@@ -38,7 +40,6 @@ from ..losses.objective import (
     labels_as_tensor,
     target_rules,
 )
-from ..model import ranks
 from ..model.headed import HeadedModel
 from ..model.labels import keep_model_columns, route_labels
 from . import shards
@@ -67,7 +68,7 @@ def cache_features(
     outside the heads is trainable (cached features would go stale as it trains).
 
     Under a process group of several ranks (torchrun, ``accelerate launch``; a launched
-    process initialises it, see ``headkit.model.ranks``) the work is split: each rank runs a
+    process initialises it, see ``headkit.distributed.ranks``) the work is split: each rank runs a
     contiguous run of whole batches, the same batches one process would run (see
     ``headkit.features.shards``), and every rank gets the whole cache, rows in the dataset's
     order and equal to a single-process run: all-gathered in memory (``gather=False``: each
@@ -95,6 +96,8 @@ def cache_features(
         layout == "token" for layout in targets.values()
     )
 
+    backbone = _backbone_meta(model)
+
     def meta_of(present: set[str], num_sequences: int, num_tokens: int) -> dict[str, Any]:
         return {
             "num_sequences": num_sequences,
@@ -103,7 +106,7 @@ def cache_features(
             "heads": heads,
             "feature_keys": {info["features"]: info["layout"] for info in heads.values()},
             "labels": {t: {"layout": targets[t]} for t in sorted(present)},
-            "backbone": _backbone_meta(model),
+            "backbone": backbone,
         }
 
     writer = _writer(storage, overwrite, rank, world)
@@ -373,10 +376,15 @@ def _check_padding_unused(
             )
 
 
-def _backbone_meta(model: HeadedModel) -> dict[str, Any]:
-    return {
+def _backbone_meta(model: HeadedModel, fingerprint: bool = True) -> dict[str, Any]:
+    """What the cache records of the backbone: class, sizes and (``fingerprint``) its
+    ``tensors_fingerprint``, which tells another backbone of the same shape apart."""
+    meta = {
         "class": type(model.backbone).__name__,
         "name_or_path": str(getattr(model.config, "name_or_path", "") or ""),
         "num_layers": model.info.num_layers,
         "hidden_size": model.info.hidden_size,
     }
+    if fingerprint:
+        meta["fingerprint"] = tensors_fingerprint(model.backbone)
+    return meta

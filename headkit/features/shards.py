@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from ..distributed.ranks import agree, gather_json, gather_rows
 from ..errors import BatchError, ConfigError
-from ..model.ranks import agree, gather_json, gather_rows
 from .storage import _TORCH_DTYPES, CachedFeatures, _DiskWriter, _MemoryWriter
 
 #: What ``pass_fn`` returns: the targets every batch had labels for (None: it ran no batch)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..backbone.fingerprint import tensors_fingerprint
 from ..errors import ConfigError
 from ..losses.objective import head_loss, label_rule
 from ..model.headed import HeadedModel
@@ -189,13 +190,20 @@ def _check_matches(model: HeadedModel, features: CachedFeatures, names: Iterable
         raise ConfigError(
             f"features must be CachedFeatures (from cache_features), got {type(features).__name__}"
         )
-    cached_bb, bb = features.meta["backbone"], _backbone_meta(model)
+    cached_bb, bb = features.meta["backbone"], _backbone_meta(model, fingerprint=False)
     for field in ("class", "num_layers", "hidden_size"):
         if cached_bb[field] != bb[field]:
             raise ConfigError(
                 f"features were cached from another backbone: {field}={cached_bb[field]!r}, "
                 f"this model has {bb[field]!r}"
             )
+    recorded = cached_bb.get("fingerprint")
+    if recorded is not None and recorded != tensors_fingerprint(model.backbone):
+        raise ConfigError(
+            "features were cached from another backbone: its weights' fingerprint differs "
+            "from this model's (same class and sizes, other weights); cache the features "
+            "again with this model"
+        )
     now = _plan_heads(model)
     for name in names:
         if name not in features.heads:

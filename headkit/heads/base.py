@@ -2,6 +2,8 @@
 
 A head kind is a ``Head`` subclass registered by name (``HeadConfig.head_type``, default
 "mlp"). It is built as ``cls(config, pooler_size=..., pooler=...)`` from a resolved config
+(and ``special_tokens=...`` too when its pooling skips a vision backbone's leading special
+tokens, "patch_mean")
 (``in_size`` and ``num_outputs`` set) and implements ``from_features`` (what it computes on
 its input); ``Head`` provides the pooling of sequence heads, so a new kind only says what it
 does with a (batch, width) or (batch, seq, in_size) input. Its parameters and buffers are
@@ -29,7 +31,12 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..registry import Registry
-from .pooling import SequencePooling, pooled_width, pooling_parameter_count
+from .pooling import (
+    SequencePooling,
+    needs_special_tokens,
+    pooled_width,
+    pooling_parameter_count,
+)
 
 if TYPE_CHECKING:
     from ..config import HeadConfig
@@ -50,6 +57,7 @@ class Head(nn.Module):
         config: HeadConfig,
         pooler_size: int | None = None,
         pooler: nn.Module | None = None,
+        special_tokens: int | None = None,
     ) -> None:
         super().__init__()
         if config.in_size is None or config.num_outputs is None:
@@ -63,7 +71,9 @@ class Head(nn.Module):
         self.pooling: SequencePooling | None = None
         if config.pred_for_sequence:
             strategies = config.pooling_strategies or ["first"]
-            self.pooling = SequencePooling(strategies, config.in_size, pooler_size, pooler)
+            self.pooling = SequencePooling(
+                strategies, config.in_size, pooler_size, pooler, special_tokens
+            )
 
     @property
     def in_features(self) -> int:
@@ -163,21 +173,28 @@ def build_head(
     pooler_size: int | None = None,
     pooler: nn.Module | None = None,
     max_parameters: int | None = None,
+    special_tokens: int | None = None,
 ) -> Head:
     """Build the head kind named by ``config.head_type`` (``HEADS`` registry).
+
+    ``special_tokens`` (a vision backbone's leading non-patch tokens) is passed on only to a
+    head whose pooling reads it ("patch_mean"), so kinds that never pool so need not take it.
 
     With ``max_parameters``, a head that would hold more parameters is refused with a
     ConfigError before anything is allocated (its kind counts them from the config, or it
     is first built on the meta device).
     """
     cls = HEADS.get(config.head_type)
+    kwargs: dict[str, Any] = {"pooler_size": pooler_size, "pooler": pooler}
+    if config.pred_for_sequence and needs_special_tokens(config.pooling_strategies or []):
+        kwargs["special_tokens"] = special_tokens
     if max_parameters is not None:
-        _check_head_size(cls, config, pooler_size, pooler, max_parameters)
-    return cls(config, pooler_size=pooler_size, pooler=pooler)
+        _check_head_size(cls, config, kwargs, max_parameters)
+    return cls(config, **kwargs)
 
 
 def _check_head_size(
-    cls: type[Head], config: HeadConfig, pooler_size: int | None, pooler: Any, limit: int
+    cls: type[Head], config: HeadConfig, kwargs: dict[str, Any], limit: int
 ) -> None:
     sizes = {"in_size": config.in_size, "num_outputs": config.num_outputs}
     if config.num_layers > 1:
@@ -195,11 +212,11 @@ def _check_head_size(
             "HeadedModel(..., max_head_parameters=...)"
         )
 
-    count = cls.parameter_count(config, pooler_size)
+    count = cls.parameter_count(config, kwargs["pooler_size"])
     if count is None:  # a kind that cannot count itself: build it where nothing is allocated
         try:
             with torch.device("meta"):
-                probe = cls(config, pooler_size=pooler_size, pooler=pooler)
+                probe = cls(config, **kwargs)
         except (RuntimeError, OverflowError) as e:  # sizes torch cannot even describe
             raise refuse(f"too many ({e})") from None
         count = sum(p.numel() for p in probe.parameters())

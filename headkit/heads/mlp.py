@@ -29,8 +29,9 @@ class MLPHead(Head):
         config: HeadConfig,
         pooler_size: int | None = None,
         pooler: nn.Module | None = None,
+        special_tokens: int | None = None,
     ) -> None:
-        super().__init__(config, pooler_size, pooler)
+        super().__init__(config, pooler_size, pooler, special_tokens)
         width = self.in_features
         layers: list[nn.Module] = []
         for i in range(config.num_layers):

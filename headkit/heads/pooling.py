@@ -107,11 +107,16 @@ class PoolingStrategy(nn.Module):
     Register a new one with ``@POOLINGS.register("name")`` on a subclass; it is built as
     ``cls(hidden_size)`` and gets a boolean-castable mask of shape (batch, seq). A strategy
     that reads the backbone's pooler sets ``needs_pooler = True`` and is built as
-    ``cls(hidden_size, pooler, pooler_size)`` instead. ``width`` says how wide its output is
+    ``cls(hidden_size, pooler, pooler_size)`` instead; one that skips the leading special
+    tokens of a vision backbone sets ``needs_special_tokens = True`` and is built as
+    ``cls(hidden_size, special_tokens)``. ``width`` says how wide its output is
     (``out_size`` of a built one), so a head's size is known before anything is built.
     """
 
     needs_pooler = False
+    #: A strategy that skips the backbone's leading special tokens (CLS, registers) sets this;
+    #: it is built as ``cls(hidden_size, special_tokens)`` instead.
+    needs_special_tokens = False
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -198,7 +203,9 @@ class BackbonePooler(PoolingStrategy):
         if pooler is None:
             raise ConfigError(
                 "pooling='pooler' needs a backbone with a pooler module (BERT-style); "
-                "this one has none: use 'first', 'mean', ..."
+                "this one has none: use 'first', 'mean', ...",
+                field="pooling",
+                value=None,
             )
         if self.every_position:
             seq = hidden.shape[1]
@@ -223,6 +230,39 @@ class MeanPooling(PoolingStrategy):
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return _masked_weighted_mean(hidden, mask.bool(), _real_count(mask))
+
+
+@POOLINGS.register("patch_mean")
+class PatchMeanPooling(PoolingStrategy):
+    """Mean over a vision backbone's patch tokens: the leading special tokens (CLS, DINOv2's
+    registers, DeiT's distillation token; ``special_tokens`` of them, read from the backbone)
+    are left out. ``"first+patch_mean"`` on DINOv2's ``last_hidden_state`` is what
+    ``Dinov2ForImageClassification`` classifies; ``"patch_mean"`` on CLIP's last layer what
+    ``CLIPForImageClassification`` does. float32 for half inputs."""
+
+    needs_special_tokens = True
+
+    def __init__(self, hidden_size: int, special_tokens: int | None = None) -> None:
+        super().__init__(hidden_size)
+        self.special_tokens = special_tokens
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        skip = self.special_tokens
+        if skip is None:
+            raise ConfigError(
+                "pooling='patch_mean' needs the number of the backbone's leading special "
+                "tokens; build the head through HeadedModel (it reads them from the backbone)"
+            )
+        if hidden.shape[1] <= skip:
+            raise BatchError(
+                f"pooling='patch_mean': the hooked states have {hidden.shape[1]} positions, "
+                f"no more than the backbone's {skip} special tokens, so there is no patch"
+            )
+        keep = mask[:, skip:].bool()  # (batch, patches)
+        return _masked_weighted_mean(hidden[:, skip:], keep, _real_count(keep))
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, special_tokens={self.special_tokens}"
 
 
 @POOLINGS.register("mean_sqrt_len")
@@ -298,6 +338,8 @@ class SequencePooling(nn.Module):
 
     ``pooler`` is the backbone's pooler module and ``pooler_size`` its output width: only the
     strategies that read it (``needs_pooler``, the "pooler" strategy) receive them.
+    ``special_tokens`` is how many leading positions of a vision backbone are no patch (CLS,
+    registers): only ``needs_special_tokens`` strategies ("patch_mean") receive it.
     """
 
     def __init__(
@@ -306,11 +348,15 @@ class SequencePooling(nn.Module):
         hidden_size: int,
         pooler_size: int | None = None,
         pooler: nn.Module | None = None,
+        special_tokens: int | None = None,
     ) -> None:
         super().__init__()
         self.names = list(strategies)
         self.strategies = nn.ModuleDict(
-            {n: _build_strategy(n, hidden_size, pooler, pooler_size) for n in self.names}
+            {
+                n: _build_strategy(n, hidden_size, pooler, pooler_size, special_tokens)
+                for n in self.names
+            }
         )
         self.hidden_size = hidden_size
 
@@ -368,10 +414,23 @@ class SequencePooling(nn.Module):
 
 
 def _build_strategy(
-    name: str, hidden_size: int, pooler: nn.Module | None, pooler_size: int | None
+    name: str,
+    hidden_size: int,
+    pooler: nn.Module | None,
+    pooler_size: int | None,
+    special_tokens: int | None,
 ) -> PoolingStrategy:
     cls = POOLINGS.get(name)
-    return cls(hidden_size, pooler, pooler_size) if cls.needs_pooler else cls(hidden_size)
+    if cls.needs_pooler:
+        return cls(hidden_size, pooler, pooler_size)
+    if getattr(cls, "needs_special_tokens", False):
+        return cls(hidden_size, special_tokens)
+    return cls(hidden_size)
+
+
+def needs_special_tokens(strategies: list[str]) -> bool:
+    """Whether any of ``strategies`` skips a vision backbone's leading special tokens."""
+    return any(getattr(POOLINGS.get(n), "needs_special_tokens", False) for n in strategies)
 
 
 def pooled_width(strategies: list[str], hidden_size: int, pooler_size: int | None = None) -> int:

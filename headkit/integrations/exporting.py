@@ -2,14 +2,17 @@
 writing an export folder so that a failed export leaves the previous one in place.
 
 An export is built in a temporary folder inside the target, verified there, and only then are
-its files moved into the target (``os.replace`` per file); files a previous export of the same
-format listed and this one does not write are removed. Nothing else in the folder is touched.
+its files moved into the target (``os.replace`` per file). The target must be new, empty, or an
+earlier export of the same format (replaced only with ``overwrite=True``); of an earlier export
+only the files whose sha256 its sidecar records, and which still have it, are replaced or
+removed. Nothing else in the folder is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -19,11 +22,16 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.manifest import MANIFEST as _CHECKPOINT_MANIFEST
+from ..checkpoint.manifest import sha256_file
+from ..checkpoint.paths import plain_name
 from ..errors import ConfigError
 
 #: (batch, sequence length, padding side) of the batches an export is verified on: other shapes
 #: than the example it was traced with, batch 1 included, padded on the right and on the left.
 VERIFY_SHAPES = ((1, 5, "right"), (3, 23, "right"), (3, 23, "left"), (4, 9, "left"))
+#: The largest export sidecar read (bytes).
+_MAX_SIDECAR = 16 << 20
 
 
 def sample_batches(
@@ -96,6 +104,17 @@ def recorded_tokenizer(model: Any) -> Any:
     return None
 
 
+def check_atol(atol: Any) -> None:
+    """Refuse a verification tolerance that is not a finite number >= 0 (ConfigError)."""
+    ok = isinstance(atol, (int, float)) and not isinstance(atol, bool)
+    if not ok or not math.isfinite(atol) or atol < 0:
+        text = repr(atol)[:80]
+        raise ConfigError(
+            f"atol={text} is invalid; allowed: a finite number >= 0 (the largest |difference| "
+            "from the model an export may show, default 1e-4)"
+        )
+
+
 def check_heads(model: Any, heads: Any, where: str) -> list[str]:
     """The names of the heads to export (all when ``heads`` is None), each one of the model's."""
     if heads is None:
@@ -112,35 +131,109 @@ def check_heads(model: Any, heads: Any, where: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def export_folder(directory: str | os.PathLike, sidecar: str) -> Iterator[Path]:
+def export_folder(
+    directory: str | os.PathLike, sidecar: str, *, overwrite: bool = False, what: str = "export"
+) -> Iterator[Path]:
     """A temporary folder inside ``directory`` to build an export in; on success its files
-    replace those of the previous export (the ones its ``sidecar`` JSON lists under "files")."""
+    are moved into ``directory``.
+
+    ``directory`` must be new, empty, or an earlier export of the same kind (its ``sidecar``
+    in headkit's form), which is replaced only with ``overwrite`` (checked before anything is
+    built). Only files headkit can prove it wrote are replaced or deleted: those whose sha256
+    the earlier sidecar records (``files_sha256``) and the file still has. A name the new
+    export writes that exists and is not proven so is refused (nothing is moved); whatever a
+    sidecar merely lists is never deleted, nor a checkpoint's manifest.
+    """
     root = Path(directory)
+    proven = check_export_target(root, sidecar, overwrite, what)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-export-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         yield tmp
-        previous = _listed(root / sidecar)
         written = sorted(p.name for p in tmp.iterdir())
+        foreign = [
+            n for n in written if n != sidecar and os.path.lexists(root / n) and n not in proven
+        ]
+        if foreign:
+            raise ConfigError(
+                f"{str(root)!r}: the {what} would replace {_names(foreign)}, which headkit did "
+                "not write (no checksum of an earlier export matches); nothing was written: "
+                "move them or export into a new folder"
+            )
         for name in written:
-            target = root / name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(tmp / name, target)
-        for name in previous - set(written):
-            if name and "/" not in name and name not in (".", ".."):
-                (root / name).unlink(missing_ok=True)
+            os.replace(tmp / name, root / name)
+        for name in sorted(set(proven) - set(written)):
+            if name != _CHECKPOINT_MANIFEST and _unchanged(root / name, proven[name]):
+                (root / name).unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _listed(sidecar: Path) -> set[str]:
+def check_export_target(root: Path, sidecar: str, overwrite: bool, what: str) -> dict[str, str]:
+    """Refuse ``root`` as an export folder (see ``export_folder``) before anything is built;
+    return the files of an earlier export there that headkit can prove it wrote
+    (name → sha256, each checked again before it is touched)."""
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        raise ConfigError(f"directory={str(root)!r} is a file or a link; a folder is written")
+    if not root.is_dir():
+        return {}
+    names = sorted(p.name for p in root.iterdir())
+    if not names:
+        return {}
+    earlier = _earlier(root / sidecar)
+    if earlier is None:
+        raise ConfigError(
+            f"directory={str(root)!r} is a folder with files that are not an earlier {what} "
+            f"({_names(names)}); choose a new or empty folder"
+        )
+    if not overwrite:
+        raise ConfigError(
+            f"directory={str(root)!r} holds an earlier {what} already; pass overwrite=True "
+            "(--overwrite) to replace it"
+        )
+    return {
+        n: digest
+        for n, digest in earlier.items()
+        if plain_name(n) and n != _CHECKPOINT_MANIFEST and _unchanged(root / n, digest)
+    }
+
+
+def files_sha256(folder: Path, sidecar: str) -> dict[str, str]:
+    """The sha256 of every file an export built in ``folder`` (its sidecar aside): what a
+    later export may replace."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink())
+    return {p.name: sha256_file(p) for p in files if p.name != sidecar}
+
+
+def _earlier(sidecar: Path) -> dict[str, str] | None:
+    """The checksums an earlier export's sidecar records ({} for one from before they were
+    recorded: nothing of it is proven), or None when there is no sidecar in headkit's form."""
+    if sidecar.is_symlink() or not sidecar.is_file() or sidecar.stat().st_size > _MAX_SIDECAR:
+        return None
     try:
-        files = json.loads(sidecar.read_text()).get("files", [])
-    except (OSError, ValueError, AttributeError):
-        return set()
-    return {f for f in files if isinstance(f, str)}
+        data = json.loads(sidecar.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("headkit-"):
+        return None
+    sums = data.get("files_sha256")
+    if not isinstance(sums, dict):
+        return {}
+    return {n: d for n, d in sums.items() if isinstance(n, str) and isinstance(d, str)}
+
+
+def _unchanged(path: Path, digest: str) -> bool:
+    """``path`` is a plain file (never a link) whose bytes still have ``digest``."""
+    try:
+        return not path.is_symlink() and path.is_file() and sha256_file(path) == digest
+    except OSError:
+        return False
+
+
+def _names(names: list[str], shown: int = 8) -> str:
+    text = ", ".join(repr(n[:80]) for n in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -39,7 +39,10 @@ from ..errors import ConfigError, HeadkitError
 from ..heads.base import Head
 from ..model.headed import HeadedModel
 from .exporting import (
+    check_atol,
+    check_export_target,
     export_folder,
+    files_sha256,
     max_difference,
     recorded_tokenizer,
     sample_batches,
@@ -92,11 +95,15 @@ def export_transformers(
     labels: list[str] | None = None,
     pad_token_id: int | None = None,
     atol: float = 1e-4,
+    overwrite: bool = False,
 ) -> TransformersExport:
     """Write ``head`` (default: the model's only head) as a plain transformers classifier in
     ``directory`` (see the module docstring). ``tokenizer`` (default: the one recorded beside
     the backbone's source, if any; False: none) is saved beside it; ``pad_token_id`` (default:
-    the tokenizer's, else the backbone config's) is what decoders find the last token by."""
+    the tokenizer's, else the backbone config's) is what decoders find the last token by.
+    ``directory`` must be new, empty or an earlier transformers export (replaced only with
+    ``overwrite=True``; see ``exporting.export_folder``)."""
+    check_atol(atol)
     name = _one_head(model, head)
     if tokenizer is None:
         tokenizer = recorded_tokenizer(model)
@@ -105,7 +112,8 @@ def export_transformers(
     was_training = model.training
     model.eval()
     try:
-        with export_folder(directory, SIDECAR) as tmp:
+        what = "transformers export"
+        with export_folder(directory, SIDECAR, overwrite=overwrite, what=what) as tmp:
             task_model.save_pretrained(tmp, safe_serialization=True)
             if tokenizer:
                 _right_padded(tokenizer, plan.pad_token_id).save_pretrained(tmp)
@@ -120,6 +128,7 @@ def export_transformers(
                 "verified": {"atol": atol, "max_abs_diff": diff, "padding": "right"},
             }
             description["files"] = sorted([*(p.name for p in tmp.iterdir()), SIDECAR])
+            description["files_sha256"] = files_sha256(tmp, SIDECAR)
             write_json(tmp / SIDECAR, description)
     finally:
         model.train(was_training)
@@ -368,3 +377,13 @@ def _verify(model: HeadedModel, name: str, folder: Path, plan: _Plan, atol: floa
                 f"{tuple(batch['input_ids'].shape)}; nothing was written: {_ALTERNATIVES}"
             )
     return worst
+
+
+def _check_target(directory: Path, overwrite: bool, **options: Any) -> None:
+    """``headkit.export``'s check before anything is loaded or built: ``atol``, and the folder
+    (``exporting.check_export_target``)."""
+    check_atol(options.get("atol", 1e-4))
+    check_export_target(directory, SIDECAR, overwrite, "transformers export")
+
+
+export_transformers.check_target = _check_target  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@
 - the backbone cut after the deepest hooked block: the graph holds a copy of the backbone whose
   block list stops there (``cut_backbone``), so the blocks after it are not in the file. Head
   inputs come from the same input stage (``prepare_inputs``: positions from the mask, so
-  either padding side works), hooked states and ``HeadedModel.head_inputs`` as ``forward``;
+  either padding side works), hooked states and ``model/head_inputs.head_inputs`` as ``forward``;
 - the JSON says what each output is (layer, pooling, activation, loss, classes), which
   exporter ran, and how the export was verified.
 
@@ -42,10 +42,14 @@ from ..backbone.inspection import BackboneInfo
 from ..checkpoint.card import head_summary
 from ..errors import ConfigError, HeadkitError
 from ..heads.base import HeadDict
+from ..model.head_inputs import head_inputs
 from ..model.headed import HeadedModel
 from .exporting import (
+    check_atol,
+    check_export_target,
     check_heads,
     export_folder,
+    files_sha256,
     max_difference,
     recorded_tokenizer,
     sample_batches,
@@ -59,6 +63,10 @@ INSTALL = "pip install 'headkit[onnx]'"
 #: 2 GiB limit on one file).
 EXTERNAL_DATA_BYTES = 1 << 30
 EXPORTERS = ("auto", "dynamo", "torchscript")
+#: The ONNX opsets torch's exporters write (the TorchScript one stops at
+#: ``TORCHSCRIPT_MAX_OPSET``).
+OPSETS = (7, 23)
+TORCHSCRIPT_MAX_OPSET = 20
 _EXAMPLE = (2, 16)  # (batch, sequence) of the traced example: 0/1 sizes would specialise
 
 
@@ -111,16 +119,14 @@ def cut_backbone(backbone: nn.Module, info: BackboneInfo, blocks: int) -> tuple[
 
 class ExportGraph(nn.Module):
     """What the ONNX graph computes: the input stage and the (cut) backbone, the hooked
-    states, each head's input (``HeadedModel.head_inputs``) and head. Traceable: no input
-    checks, no early-exit exception (the cut stands for it)."""
-
-    head_inputs = HeadedModel.head_inputs  # the same pooling sharing as forward
+    states, each head's input (``model/head_inputs.head_inputs``, as ``forward``) and head.
+    Traceable: no input checks, no early-exit exception (the cut stands for it)."""
 
     def __init__(self, model: HeadedModel, names: list[str]) -> None:
         super().__init__()
         layers = model.hooked_layers()
-        self._layer_of_head = {n: layers[n] for n in names}
-        wanted = set(self._layer_of_head.values())
+        self.state_keys = {n: layers[n] for n in names}
+        wanted = set(self.state_keys.values())
         info = model.info
         deepest = max(wanted)
         self.blocks = info.num_layers
@@ -145,7 +151,7 @@ class ExportGraph(nn.Module):
             batch["token_type_ids"] = token_type_ids
         inputs = prepare_inputs(self.backbone, self.info, batch, check=False)
         captured, _ = run_stage(self.backbone, self.info, inputs, self.wanted, False)
-        features = self.head_inputs(captured, inputs.mask)
+        features = head_inputs(self.heads, self.state_keys, captured, inputs.mask)
         return tuple(head.from_features(features[n]) for n, head in self.heads.items())
 
 
@@ -159,15 +165,16 @@ def export_onnx(
     atol: float = 1e-4,
     token_type_ids: bool | None = None,
     exporter: str = "auto",
+    overwrite: bool = False,
 ) -> OnnxExport:
     """Export ``model``'s heads (all, or ``heads``) as one ONNX graph in ``directory`` and
     verify it (see the module docstring). ``tokenizer`` (default: the one recorded beside the
     backbone's source, if any; False: none) is saved beside it. ``token_type_ids``: whether the
     graph takes them (default: where the backbone has a token-type table). ``exporter``:
     "auto" (torch's dynamo exporter, the TorchScript one if it fails), "dynamo" or
-    "torchscript"."""
-    if exporter not in EXPORTERS:
-        raise ConfigError(f"exporter={exporter!r} is invalid; allowed: {', '.join(EXPORTERS)}")
+    "torchscript". ``directory`` must be new, empty or an earlier ONNX export (replaced only
+    with ``overwrite=True``; see ``exporting.export_folder``)."""
+    check_onnx_options(opset, atol, exporter)
     require_onnx()
     names = check_heads(model, heads, "export(format='onnx')")
     _check_exportable(model)
@@ -182,7 +189,7 @@ def export_onnx(
     model.eval()
     try:
         graph = ExportGraph(model, names).eval()
-        with export_folder(directory, SIDECAR) as tmp:
+        with export_folder(directory, SIDECAR, overwrite=overwrite, what="ONNX export") as tmp:
             t0 = time.perf_counter()
             exporter = _export(graph, model, tmp / GRAPH, names, types, opset, exporter)
             export_s = time.perf_counter() - t0
@@ -191,11 +198,34 @@ def export_onnx(
             if tokenizer:
                 tokenizer.save_pretrained(tmp)
             description["files"] = sorted([*(p.name for p in tmp.iterdir()), SIDECAR])
+            description["files_sha256"] = files_sha256(tmp, SIDECAR)
             write_json(tmp / SIDECAR, description)
     finally:
         model.train(was_training)
     root = Path(directory)
     return OnnxExport(root, root / GRAPH, exporter, graph.blocks, diffs, description, export_s)
+
+
+def check_onnx_options(opset: Any, atol: Any, exporter: Any) -> None:
+    """Refuse ``opset``, ``atol`` and ``exporter`` before anything is built (ConfigError naming
+    the value and the allowed range)."""
+    if not isinstance(exporter, str) or exporter not in EXPORTERS:
+        raise ConfigError(
+            f"exporter={_short(exporter)} is invalid; allowed: {', '.join(EXPORTERS)}"
+        )
+    if opset is not None:
+        top = OPSETS[1] if exporter != "torchscript" else min(OPSETS[1], TORCHSCRIPT_MAX_OPSET)
+        if not isinstance(opset, int) or isinstance(opset, bool) or not OPSETS[0] <= opset <= top:
+            raise ConfigError(
+                f"opset={_short(opset)} is invalid; allowed: an integer from {OPSETS[0]} to "
+                f"{top} (exporter={exporter!r}), or None for the exporter's default"
+            )
+    check_atol(atol)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_exportable(model: HeadedModel) -> None:
@@ -445,3 +475,15 @@ def _ort_version() -> str:
     import onnxruntime
 
     return onnxruntime.__version__
+
+
+def _check_target(directory: Path, overwrite: bool, **options: Any) -> None:
+    """``headkit.export``'s check before anything is loaded or built: the options, and the
+    folder (``exporting.check_export_target``)."""
+    check_onnx_options(
+        options.get("opset"), options.get("atol", 1e-4), options.get("exporter", "auto")
+    )
+    check_export_target(directory, SIDECAR, overwrite, "onnx export")
+
+
+export_onnx.check_target = _check_target  # type: ignore[attr-defined]

@@ -31,101 +31,58 @@ from ..checkpoint import read_checkpoint, restore
 from ..checkpoint.adapters import require_quantization_support
 from ..config import HeadConfig
 from ..errors import CheckpointError, ConfigError
-from ..loading import bind_positional, load_headed
+from ..loading import load_headed
+from ..model.head_inputs import reached_blocks
 from ..model.headed import HeadedModel
-from ..model.reading import reached_blocks
 
 DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.05}
 
 
-#: transformer-heads' positional order of ``create_headed_qlora`` (first argument a class).
-TH_QLORA_ORDER = (
-    "model_name",
-    "quantization_config",
-    "lora_config",
-    "head_configs",
-    "fully_trained_heads",
-    "device_map",
-    "gradient_checkpointing",
-    "adaptive_loss",
-    "torch_dtype",
-)
-#: headkit's positional order of ``create_headed_qlora``.
-QLORA_ORDER = (
-    "model_name",
-    "quantization_config",
-    "lora_config",
-    "head_configs",
-    "fully_trained_heads",
-    "gradient_checkpointing",
-    "torch_dtype",
-)
-
-
-#: create_headed_qlora's keyword defaults that are not None.
-_QLORA_DEFAULTS = {
-    "fully_trained_heads": True,
-    "gradient_checkpointing": False,
-    "torch_dtype": torch.float32,
-    "adaptive_loss": False,
-}
-
-
 def create_headed_qlora(
-    base_model_class_or_path: type | str | os.PathLike | None = None,
-    *args: Any,
-    model_name_or_path: str | os.PathLike | Sequence[HeadConfig] | None = None,
+    model_name_or_path: str | os.PathLike,
     quantization_config: Any = None,
     lora_config: Any = None,
     head_configs: Sequence[HeadConfig | dict] | None = None,
     fully_trained_heads: bool = True,
     gradient_checkpointing: bool = False,
     torch_dtype: Any = torch.float32,
+    *,
+    model_class: type | None = None,
     train_lm_head: bool = True,
     device_map: Any = None,
     adaptive_loss: bool = False,
-    base_model_class: type | None = None,
-    model_name: str | os.PathLike | None = None,
     **kwargs: Any,
 ) -> HeadedModel:
     """A backbone with LoRA adapters (4-bit when ``quantization_config`` is a
     ``BitsAndBytesConfig``; plain LoRA when None) and float32 heads, ready to train.
 
-    Called as transformer-heads does, ``create_headed_qlora(LlamaForCausalLM, path, ...)``,
-    positionally in its order (``TH_QLORA_ORDER``) or by its keywords (``base_model_class=``,
-    ``model_name=``, ...), or with the path alone (``QLORA_ORDER``). ``lora_config`` (a
-    ``peft.LoraConfig``; default r=8, alpha=16, dropout 0.05) is copied; without
-    ``target_modules`` it targets every linear layer of the blocks before the deepest hooked
-    layer (never the heads: transformer-heads also adapted a pretrained ``lm_head``, which
-    here trains as a head). Heads train (``fully_trained_heads=False`` freezes them all; only
-    the adapters train); a pretrained ``lm_head`` head trains unless ``train_lm_head=False``.
+    ``model_name_or_path`` is loaded with ``model_class`` when given (a transformers class).
+    ``lora_config`` (a ``peft.LoraConfig``; default r=8, alpha=16, dropout 0.05) is copied;
+    without ``target_modules`` it targets every linear layer of the blocks before the deepest
+    hooked layer (never the heads: a pretrained ``lm_head`` trains here as a head). Heads
+    train (``fully_trained_heads=False`` freezes them all; only the adapters train); a
+    pretrained ``lm_head`` head trains unless ``train_lm_head=False``.
     ``gradient_checkpointing`` recomputes the backbone's blocks in the backward pass.
     ``adaptive_loss=True`` is ``set_loss_weighting("adaptive")``. Defaults are headkit's:
     float32, ``device_map=None`` (the current CUDA device with quantisation). Other keywords
-    go to ``from_pretrained``.
+    go to ``from_pretrained``. ``headkit.create_headed_qlora`` is an adapter from the edge
+    that also accepts transformer-heads' call forms (``headkit/compat/calls.py``).
     """
-    given = {
-        "model_name": _one_of(model_name, model_name_or_path, "model_name"),
-        "quantization_config": quantization_config,
-        "lora_config": lora_config,
-        "head_configs": head_configs,
-        "fully_trained_heads": fully_trained_heads,
-        "gradient_checkpointing": gradient_checkpointing,
-        "torch_dtype": torch_dtype,
-        "device_map": device_map,
-        "adaptive_loss": adaptive_loss,
-    }
-    first = _one_of(base_model_class, base_model_class_or_path, "base_model_class")
-    order = TH_QLORA_ORDER if isinstance(first, type) else QLORA_ORDER
-    o = bind_positional("create_headed_qlora", args, order, given, _QLORA_DEFAULTS)
-    second, head_configs = o["model_name"], o["head_configs"]
-    if isinstance(second, (list, tuple)):  # create_headed_qlora(path, [heads])
-        if head_configs is not None:
-            raise ConfigError("head_configs given twice (positionally and by keyword)")
-        head_configs, second = second, None
     if head_configs is None:
-        raise ConfigError("create_headed_qlora: head_configs=None is invalid; a list of HeadConfig")
-    _check_source(first, second, "create_headed_qlora")
+        raise ConfigError(
+            "create_headed_qlora: head_configs=None is invalid; a list of HeadConfig",
+            field="head_configs",
+            value=None,
+        )
+    o = {
+        "fully_trained_heads": fully_trained_heads,
+        "lora_config": lora_config,
+        "gradient_checkpointing": gradient_checkpointing,
+        "adaptive_loss": adaptive_loss,
+        "torch_dtype": torch_dtype,
+        "quantization_config": quantization_config,
+        "device_map": device_map,
+    }
     quantization_config, device_map = o["quantization_config"], o["device_map"]
     require_quantization_support(quantization_config)  # before anything is loaded
     peft = _import_peft()
@@ -135,9 +92,9 @@ def create_headed_qlora(
         if device_map is None:
             device_map = {"": torch.cuda.current_device()}
     model = load_headed(
-        first,
-        model_name=second,
+        model_name_or_path,
         head_configs=configs,
+        model_class=model_class,
         torch_dtype=o["torch_dtype"],
         device_map=device_map,
         **kwargs,
@@ -160,12 +117,6 @@ def create_headed_qlora(
     if o["gradient_checkpointing"]:
         enable_gradient_checkpointing(model)
     return model
-
-
-def _one_of(name: Any, alias: Any, what: str) -> Any:
-    if name is not None and alias is not None:
-        raise TypeError(f"{what} given twice (by its name and by the older one)")
-    return name if name is not None else alias
 
 
 def add_lora(model: HeadedModel, lora_config: Any, adapter_name: str = "default") -> HeadedModel:
@@ -234,8 +185,7 @@ def enable_gradient_checkpointing(model: HeadedModel) -> None:
 
 
 def load_lora_with_heads(
-    base_model_class_or_path: type | str | os.PathLike | None = None,
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike,
     quantization_config: Any = None,
     only_inference: bool = False,
     fully_trained_heads: bool = True,
@@ -243,33 +193,21 @@ def load_lora_with_heads(
     torch_dtype: Any = None,
     gradient_checkpointing: bool = False,
     *,
-    base_model_class: type | None = None,
+    model_class: type | None = None,
     **kwargs: Any,
 ) -> HeadedModel:
-    """Load a checkpoint saved from a LoRA model (headkit's, or transformer-heads' LoRA save):
-    the base backbone it references (4-bit again if it was; ``quantization_config``
-    overrides, ``False`` loads it unquantised), its adapter and heads, with the same
-    predictions. ``load_lora_with_heads(path)`` or, as in transformer-heads (same positional
-    order), ``load_lora_with_heads(LlamaForCausalLM, path)``: the class must match the
-    checkpoint's backbone (``GPT2Model`` for a Llama checkpoint is a ConfigError); headkit
-    checkpoints load their backbone as recorded, transformer-heads' with that class.
+    """Load a checkpoint saved from a LoRA model (any registered format that holds an
+    adapter): the base backbone it references (4-bit again if it was;
+    ``quantization_config`` overrides, ``False`` loads it unquantised), its adapter and heads,
+    with the same predictions. ``model_class`` (a transformers class) must match the
+    checkpoint's backbone (``GPT2Model`` for a Llama checkpoint is a ConfigError); a format
+    that records no class loads its backbone with it. ``headkit.load_lora_with_heads`` also
+    accepts a model class first (``headkit/compat/calls.py``).
 
     ``only_inference=True``: every parameter frozen, eval mode. Otherwise the adapter trains,
     and the heads (their ``trainable`` ones) unless ``fully_trained_heads=False``. Defaults:
-    the checkpoint's dtype (transformer-heads' checkpoints: float32, its default) and device.
+    the checkpoint's dtype and device.
     """
-    first = _one_of(base_model_class, base_model_class_or_path, "base_model_class")
-    model_class = None
-    if isinstance(first, type):
-        _check_source(first, path, "load_lora_with_heads")
-        model_class = first
-    elif path is not None:
-        raise ConfigError(
-            f"load_lora_with_heads({str(first)!r}, {str(path)!r}): give the "
-            "checkpoint path once (a model class may come first)"
-        )
-    else:
-        path = first
     if path is None:
         raise TypeError("load_lora_with_heads() missing the checkpoint path")
     ckpt = read_checkpoint(path)

@@ -14,6 +14,7 @@ modules. Every module is sentence-transformers' own, so the saved model loads wi
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import Any
 
@@ -70,6 +71,37 @@ def to_sentence_transformer(
         )
     st = SentenceTransformer(modules=modules, device=str(model.device))
     return st.to(model.dtype)
+
+
+def export_sentence_transformer(
+    model: Any,
+    directory: str | os.PathLike,
+    *,
+    head: str | None = None,
+    tokenizer: Any = None,
+    max_seq_length: int | None = None,
+) -> Any:
+    """The ``"sentence-transformers"`` exporter (``headkit.export``): ``head`` (default: the
+    model's only head) as a SentenceTransformer (``to_sentence_transformer``) saved in
+    ``directory``; returns the SentenceTransformer."""
+    if head is None:
+        names = list(model.head_configs)
+        if len(names) != 1:
+            raise ConfigError(
+                f"head=None is ambiguous for a model with heads {names}; name one",
+                field="head",
+                value=None,
+            )
+        head = names[0]
+    if not tokenizer:
+        raise ConfigError(
+            "tokenizer=None: a SentenceTransformer needs the tokenizer; pass tokenizer=",
+            field="tokenizer",
+            value=tokenizer,
+        )
+    st = to_sentence_transformer(model, head, tokenizer, max_seq_length=max_seq_length)
+    st.save(os.fspath(directory))
+    return st
 
 
 def _exportable(model: Any, head: str) -> tuple[Any, str, list[tuple[nn.Linear, nn.Module]]]:

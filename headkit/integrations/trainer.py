@@ -3,7 +3,8 @@
 The vanilla ``transformers.Trainer`` works with a HeadedModel and ``HeadedCollator``:
 
 * ``model.forward``'s signature lists every head target, so ``remove_unused_columns`` keeps
-  the label columns;
+  the label columns (``HeadedTrainer`` does not rely on it: it asks the heads which columns
+  the model reads, ``_set_signature_columns_if_needed``);
 * the collator puts labels under ``batch["labels"]`` (a ``{target: tensor}`` dict, or for a
   model with one head that has a loss, that head's tensor, as ``DataCollatorWithPadding``
   makes it). Trainer finds ``**labels`` in ``forward``'s signature, takes ``"labels"`` as
@@ -19,7 +20,7 @@ The vanilla ``transformers.Trainer`` works with a HeadedModel and ``HeadedCollat
   optimizer leaves it untouched); under DDP that needs ``find_unused_parameters=True``, the
   default Trainer picks for a HeadedModel. With ``ddp_find_unused_parameters=False`` such
   heads join the loss with an exact zero instead, and HeadedTrainer drops those zero
-  gradients before the optimizer step (see ``parallel.py``).
+  gradients before the optimizer step (see ``distributed/parallel.py``).
 
 What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds:
 
@@ -57,11 +58,11 @@ from transformers import Trainer, TrainerCallback
 from ..checkpoint import MANIFEST, restore
 from ..checkpoint.card import refresh_card
 from ..data.collator import HeadedCollator
+from ..distributed.parallel import drop_idle_gradients, join_idle
+from ..distributed.sharding import is_sharded, plain_parameters
 from ..errors import ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
-from ..model.labels import loss_heads, route_labels, without_unused_labels
-from ..model.parallel import drop_idle_gradients, join_idle
-from ..model.sharding import is_sharded, plain_parameters
+from ..model.labels import loss_heads, model_columns, route_labels, without_unused_labels
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,18 @@ class HeadedTrainer(Trainer):
         self.add_callback(_DropIdleGradients(self))
 
     # ------------------------------------------------------------------ training
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """The columns ``remove_unused_columns`` keeps, known from the model's heads (inputs,
+        the backbone's own inputs, every head's target, the label columns) rather than read
+        from ``forward``'s signature: HeadedTrainer keeps its target columns itself."""
+        if self._signature_columns is None:
+            model = self.model
+            model = model.get_base_model() if hasattr(model, "get_base_model") else model
+            own = getattr(getattr(model, "info", None), "extra_inputs", ())
+            columns = model_columns(model.head_configs, own)
+            self._signature_columns = sorted(columns | set(self.label_names or []))
+
     def compute_loss(
         self,
         model: torch.nn.Module,
@@ -219,9 +232,9 @@ class HeadedTrainer(Trainer):
         os.makedirs(output_dir, exist_ok=True)
         if state_dict is not None:
             with plain_parameters(headed, state_dict):  # full tensors in place of the shards
-                headed.save_pretrained(output_dir)
-        else:
-            headed.save_pretrained(output_dir)
+                headed.save_pretrained(output_dir, main_process_only=False)
+        else:  # Trainer saves on rank 0 alone (should_save): no collective to wait at
+            headed.save_pretrained(output_dir, main_process_only=False)
         tokenizer = self.processing_class
         if tokenizer is None:
             tokenizer = getattr(self.data_collator, "tokenizer", None)

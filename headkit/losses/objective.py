@@ -285,7 +285,7 @@ def fit_labels(cfg: HeadConfig, preds: torch.Tensor, labels: torch.Tensor) -> to
     batch = preds.shape[0]
     n_out = preds.shape[-1]
     if labels.dim() == 0 and batch == 1 and cfg.pred_for_sequence:
-        labels = labels.reshape(1)  # ``torch.tensor(1)`` for one example, as transformer-heads
+        labels = labels.reshape(1)  # ``torch.tensor(1)`` for one example
     if labels.dim() == 0 or labels.shape[0] != batch:
         raise BatchError(
             f"{_where(cfg)}: labels of shape {tuple(labels.shape)} do not match the batch size "

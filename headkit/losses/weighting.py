@@ -1,7 +1,7 @@
 """Multi-task loss weighting: how per-head losses combine into one training loss.
 
 ``fixed``: loss_weight × loss. ``adaptive``: each loss normalised by its running mean and
-std once ``warmup`` steps have been seen (as transformer-heads does; zero during warm-up).
+std once ``warmup`` steps have been seen (zero during warm-up).
 ``uncertainty``: learned homoscedastic uncertainty (Kendall et al. 2018):
 exp(-s) × loss + s with one learned log-variance s per head, times loss_weight.
 

@@ -38,18 +38,27 @@ from ..backbone.sources import BackboneSource, transformers_model_of
 from ..backbone.tying import init_lm_head, tied_head_weights
 from ..checkpoint import restore, save_checkpoint
 from ..config import HeadConfig
+from ..distributed import ranks
+from ..distributed.parallel import freeze_unreached, inside_strict_ddp, join_idle
+from ..distributed.placement import head_devices, loss_device
+from ..distributed.sharding import is_sharded, save_sharded
 from ..errors import BatchError, CheckpointError, ConfigError
-from ..heads.base import Head, HeadDict, build_head, get_submodule_by_name
+from ..generation.generate import HeadedGenerationMixin
+from ..heads.base import HeadDict, build_head, get_submodule_by_name
 from ..losses.objective import head_loss, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
-from .conveniences import PreTrainedConveniences, hide_head_dicts_from_trainer
-from .generation import HeadedGenerationMixin
 from .guards import NonFiniteGuard, ValueChecks
+from .head_inputs import (
+    StateKey,
+    head_inputs,
+    head_masks,
+    layer_index,
+    mask_of,
+    resolve_config,
+    state_key,
+)
 from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
-from .parallel import freeze_unreached, inside_strict_ddp, join_idle
-from .placement import head_devices, loss_device, on_device_of
-from .reading import StateKey, head_masks, layer_index, mask_of, resolve_config, state_key
-from .sharding import is_sharded, save_sharded
+from .pretrained import PreTrainedConveniences, hide_head_dicts_from_trainer
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
 DEFAULT_MAX_HEAD_PARAMETERS = 2**31
@@ -77,7 +86,7 @@ class HeadedModelOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
 
     @property
-    def past_key_values(self) -> Any:  # the name transformer-heads users know
+    def past_key_values(self) -> Any:  # the name other multi-head libraries use
         return self.cache
 
 
@@ -175,7 +184,9 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         budget = self.max_head_parameters
         self.heads = HeadDict(
             {
-                n: build_head(c, pooler_size, pooler, budget).to(devices[n])
+                n: build_head(c, pooler_size, pooler, budget, self.info.special_tokens).to(
+                    devices[n]
+                )
                 for n, c in self.head_configs.items()
             }
         )
@@ -285,7 +296,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
 
     def state_keys(self) -> dict[str, StateKey]:
         """Each head's captured state: its index, or ``("decoder", index)`` for heads on an
-        encoder–decoder model's decoder (``model/reading.py``)."""
+        encoder–decoder model's decoder (``model/head_inputs.py``)."""
         return dict(self._layer_of_head)
 
     def head_masks(self, inputs: Any) -> dict[str, torch.Tensor | None]:
@@ -321,7 +332,13 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
         extra, labels = split_inputs(self.info, labels)  # pixel_values, input_values, ...
         labels = self._route_labels(labels)
-        given = {"input_ids": input_ids, "attention_mask": attention_mask, **extra, **labels}
+        given = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "inputs_embeds": inputs_embeds,
+            **extra,
+            **labels,
+        }
         signature = self._value_checks.due(given) if self.check_inputs else None  # guards.py
         check = signature is not None
         batch = {
@@ -385,20 +402,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         elsewhere, ``placement.py``); a parameter-free pooling is computed once per (layer,
         positions, device, pooling) and shared by the heads that ask for it. ``mask``: one
         for all heads, or each head's (``head_masks``)."""
-        shared: dict[tuple, torch.Tensor] = {}
-        out: dict[str, torch.Tensor] = {}
-        for name, head in self.heads.items():
-            layer = self._layer_of_head[name]
-            hidden = on_device_of(head, captured[layer])
-            key = head.pooling_key if isinstance(head, Head) else None
-            if key is None:
-                out[name] = head.features(hidden, mask_of(mask, name))
-                continue
-            key = (layer, getattr(head.config, "pool_over", "all"), hidden.device, *key)
-            if key not in shared:
-                shared[key] = head.features(hidden, mask_of(mask, name))
-            out[name] = shared[key]
-        return out
+        return head_inputs(self.heads, self._layer_of_head, captured, mask)
 
     def head_losses(
         self,
@@ -427,14 +431,43 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, save_directory: str | PathLike, **kwargs: Any) -> None:
+    def save_pretrained(
+        self, save_directory: str | PathLike, *, main_process_only: bool = True, **kwargs: Any
+    ) -> None:
         """Atomically write head_configs.json, the heads (safetensors), a LoRA adapter if the
         backbone carries one, and, unless frozen and unchanged since loading, the backbone.
-        A model sharded with FSDP2 is saved by every rank together (``sharding.save_sharded``:
-        rank 0 writes full tensors)."""
+
+        Under a process group of several ranks the save is collective: every rank calls it,
+        rank 0 writes, and every rank returns once it is written (a failure on rank 0 is
+        raised on every rank). A model sharded with FSDP2 is saved so always
+        (``sharding.save_sharded``: rank 0 writes full tensors). ``main_process_only=False``:
+        this process writes the whole checkpoint alone, whatever its rank, with no collective
+        (a save only one rank makes, as HeadedTrainer's on rank 0, or one folder per rank)."""
+        if not isinstance(main_process_only, bool):
+            raise ConfigError(
+                f"main_process_only={main_process_only!r:.80} is invalid; True (under a "
+                "process group: rank 0 writes, every rank waits) or False (this process "
+                "writes alone)"
+            )
         if is_sharded(self):
+            if not main_process_only:
+                raise ConfigError(
+                    "main_process_only=False: a model sharded with FSDP2 is saved by every "
+                    "rank together (rank 0 writes the full tensors); call it on every rank"
+                )
             return save_sharded(self, save_directory, **kwargs)
-        save_checkpoint(self, save_directory, **kwargs)
+        rank, world = ranks.current(init=False)
+        if world == 1 or not main_process_only:
+            save_checkpoint(self, save_directory, **kwargs)
+            return None
+        error = None
+        if rank == 0:
+            try:
+                save_checkpoint(self, save_directory, **kwargs)
+            except BaseException as e:  # every rank must hear of it (ranks.agree)
+                error = e
+        ranks.agree(error, f"saving {str(save_directory)!r}")
+        return None
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | PathLike, **kwargs: Any) -> HeadedModel:

@@ -235,16 +235,6 @@ class ForwardWithTargets(functools.partial):
         return _with_names(inspect.signature(self.func), [*own, *targets], drop_self=True)
 
 
-class _ForwardWithNames(functools.partial):
-    """A bound ``forward`` whose signature also lists ``names`` as keyword-only parameters."""
-
-    names: tuple[str, ...] = ()
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return _with_names(inspect.signature(self.func), self.names)
-
-
 def _with_names(
     sig: inspect.Signature, names: Iterable[str], drop_self: bool = False
 ) -> inspect.Signature:
@@ -256,15 +246,6 @@ def _with_names(
     taken = {p.name for p in params} | {p.name for p in var_kw}
     params += [_keyword(n) for n in dict.fromkeys(names) if n not in taken]
     return sig.replace(parameters=params + var_kw)
-
-
-def with_keywords(forward: Any, names: Iterable[str]) -> Any:
-    """``forward`` whose signature names ``names`` too (they still arrive through its
-    ``**kwargs``): transformers' ``generate`` checks its keyword arguments against the
-    signature, and a vision-language model's ``pixel_values`` must pass."""
-    wrapped = _ForwardWithNames(forward)
-    wrapped.names = tuple(names)
-    return wrapped
 
 
 def _keyword(name: str) -> inspect.Parameter:

@@ -32,7 +32,7 @@ def parse_layers(spec: str | int | Sequence[int], num_layers: int) -> list[int]:
         "comma-separated ('0,3,6') or slices ('-4:', '1:5')"
     )
     if isinstance(spec, bool):
-        raise ConfigError(f"layers={spec!r} is invalid; {allowed}")
+        raise ConfigError(f"layers={spec!r} is invalid; {allowed}", field="layers", value=spec)
     if isinstance(spec, int):
         items: list[Any] = [spec]
     elif isinstance(spec, str):
@@ -42,7 +42,7 @@ def parse_layers(spec: str | int | Sequence[int], num_layers: int) -> list[int]:
     elif isinstance(spec, Sequence) and all(isinstance(i, int) for i in spec):
         items = list(spec)
     else:
-        raise ConfigError(f"layers={spec!r} is invalid; {allowed}")
+        raise ConfigError(f"layers={spec!r} is invalid; {allowed}", field="layers", value=spec)
     chosen: set[int] = set()
     for item in items:
         if isinstance(item, str) and ":" in item:
@@ -52,17 +52,27 @@ def parse_layers(spec: str | int | Sequence[int], num_layers: int) -> list[int]:
                     raise ValueError
                 chosen.update(range(total)[slice(*parts)])
             except ValueError:
-                raise ConfigError(f"layers={spec!r}: {item!r} is not a slice; {allowed}") from None
+                raise ConfigError(
+                    f"layers={spec!r}: {item!r} is not a slice; {allowed}",
+                    field="layers",
+                    value=spec,
+                ) from None
             continue
         try:
             index = int(item)
         except ValueError:
-            raise ConfigError(f"layers={spec!r}: {item!r} is not an index; {allowed}") from None
+            raise ConfigError(
+                f"layers={spec!r}: {item!r} is not an index; {allowed}", field="layers", value=spec
+            ) from None
         if not -total <= index < total:
-            raise ConfigError(f"layers={spec!r}: {index} is out of range; {allowed}")
+            raise ConfigError(
+                f"layers={spec!r}: {index} is out of range; {allowed}", field="layers", value=spec
+            )
         chosen.add(index % total)
     if not chosen:
-        raise ConfigError(f"layers={spec!r} selects no layer; {allowed}")
+        raise ConfigError(
+            f"layers={spec!r} selects no layer; {allowed}", field="layers", value=spec
+        )
     return sorted(chosen)
 
 
@@ -80,21 +90,31 @@ def parse_poolings(spec: str | Sequence[str]) -> list[str]:
     out = []
     for name in names:
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"pooling={spec!r} is invalid; {allowed}")
+            raise ConfigError(
+                f"pooling={spec!r} is invalid; {allowed}", field="pooling", value=spec
+            )
         parts = [ALIASES.get(p.strip().lower(), p.strip().lower()) for p in name.split("+")]
         for p in parts:
             if p not in POOLINGS:
-                raise ConfigError(f"pooling={spec!r}: {p!r} is not a pooling; {allowed}")
+                raise ConfigError(
+                    f"pooling={spec!r}: {p!r} is not a pooling; {allowed}",
+                    field="pooling",
+                    value=spec,
+                )
             if _has_parameters(p):
                 raise ConfigError(
                     f"pooling={spec!r}: {p!r} has trainable parameters, and a sweep probes "
-                    f"fixed vectors; {allowed}"
+                    f"fixed vectors; {allowed}",
+                    field="pooling",
+                    value=spec,
                 )
         canonical = "+".join(parts)
         if canonical not in out:
             out.append(canonical)
     if not out:
-        raise ConfigError(f"pooling={spec!r} names no pooling; {allowed}")
+        raise ConfigError(
+            f"pooling={spec!r} names no pooling; {allowed}", field="pooling", value=spec
+        )
     return out
 
 
@@ -152,7 +172,10 @@ def media_rows(examples: list[dict], keys: list[str], labels, task: str) -> Prob
     the control task); ``task="token"`` has no words to label."""
     if task == "token":
         raise ConfigError(
-            "task='token' labels words; images and audio take task='classification' or 'regression'"
+            "task='token' labels words; images and audio take task='classification' or "
+            "'regression'",
+            field="task",
+            value="token",
         )
     y, classes = _label_tensor(list(labels), task == "regression", "labels")
     scale = _target_scale(labels) if task == "regression" else None

@@ -45,7 +45,9 @@ def check_penalties(l2: Sequence[float] | Any) -> None:
     ):
         raise ConfigError(
             f"l2={l2!r} is invalid; allowed: one or more finite penalties > 0 "
-            "(e.g. [1e-4, 1e-2, 1.0])"
+            "(e.g. [1e-4, 1e-2, 1.0])",
+            field="l2",
+            value=l2,
         )
 
 

@@ -37,10 +37,10 @@ from transformers import PreTrainedModel
 from ..backbone.sources import describe, load_model, load_tokenizer, tokenizer_source
 from ..config import HeadConfig
 from ..data.media import encode_media, input_kind, load_processor
+from ..distributed import ranks
 from ..errors import ConfigError
 from ..features import cache_features
 from ..features.shards import balanced_order
-from ..model import ranks
 from ..model.headed import HeadedModel
 from .data import (
     TASKS,
@@ -301,12 +301,20 @@ def _check_args(
     task, pooling, val_splits, test_fraction, val_fraction, l2, bootstrap, texts, labels
 ):
     if task not in TASKS:
-        raise ConfigError(f"task={task!r} is invalid; allowed: {', '.join(TASKS)}")
+        raise ConfigError(
+            f"task={task!r} is invalid; allowed: {', '.join(TASKS)}", field="task", value=task
+        )
     if task == "token" and pooling is not None:
-        raise ConfigError(f"pooling={pooling!r} does not apply to task='token'; leave it unset")
+        raise ConfigError(
+            f"pooling={pooling!r} does not apply to task='token'; leave it unset",
+            field="pooling",
+            value=pooling,
+        )
     if not isinstance(val_splits, int) or isinstance(val_splits, bool) or val_splits < 1:
         raise ConfigError(
-            f"val_splits={val_splits!r} is invalid; an integer >= 1 (how many validation splits)"
+            f"val_splits={val_splits!r} is invalid; an integer >= 1 (how many validation splits)",
+            field="val_splits",
+            value=val_splits,
         )
     for name, v in (("test_fraction", test_fraction), ("val_fraction", val_fraction)):
         if not isinstance(v, (int, float)) or not 0 < v < 1:
@@ -349,7 +357,9 @@ def _backbone_and_tokenizer(
     if not isinstance(model, PreTrainedModel):
         raise ConfigError(
             f"model={type(model).__name__} is invalid; a path, hub id, 'packaged:minilm', a "
-            "PreTrainedModel or a HeadedModel"
+            "PreTrainedModel or a HeadedModel",
+            field="model",
+            value=type(model).__name__,
         )
     if tokenizer is None:
         source = tokenizer_source(model)

@@ -410,7 +410,7 @@ _PROBE = ["probe", "--model", "m", "--data", "d.csv", "--output", "o"]
     [
         (
             [*_PROBE, "--val-splits", "0"],
-            "argument --val-splits: invalid value '0'; allowed: an integer >= 1",
+            "argument --val-splits: invalid value '0'; allowed: an integer from 1 to 100",
         ),
         ([*_PROBE, "--layers", "x"], "argument --layers: invalid value 'x'; allowed: 'all'"),
         (

@@ -19,8 +19,8 @@ from conftest import build_tiny
 
 from headkit import ConfigError, HeadConfig, HeadedModel, load_headed
 from headkit.checkpoint.card import CARD
+from headkit.checkpoint.hub import push_to_hub
 from headkit.checkpoint.manifest import MANIFEST
-from headkit.model.hub import push_to_hub
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -34,9 +34,10 @@ HEADS = [
 def exported(tmp_path_factory):
     model = HeadedModel(build_tiny("gpt2", num_layers=4), HEADS).eval()
     folder = tmp_path_factory.mktemp("onnx")
-    (folder / "notes.txt").write_text("mine")
-    with torch.no_grad():
-        result = headkit.export(model, folder, format="onnx")
+    with torch.no_grad():  # an earlier export, then a file of the user's beside it
+        headkit.export(model, folder, format="onnx", exporter="torchscript")
+        (folder / "notes.txt").write_text("mine")
+        result = headkit.export(model, folder, format="onnx", overwrite=True)
     return model, result
 
 

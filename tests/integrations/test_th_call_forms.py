@@ -161,3 +161,25 @@ def test_compat_helpers_as_it_has_them():
     ].shape == (2, 3)
     assert batch["tag"].tolist() == [[0, 0, -100], [1, 1, 1]] and batch["sent"].tolist() == [0, 1]
     assert compat.HeadedModelGenerateOutput(token_logprobs=torch.ones(1)).logprobs.tolist() == [1.0]
+
+
+def test_compare_all_params_pairs_parameters_by_transformer_heads_names():
+    """headkit names the backbone ``backbone.*`` and heads ``heads.<h>.mlp.<k>``; its
+    ``compare_all_params`` reads them as transformer-heads named them, so a HeadedModel against
+    the ``*ForCausalLM`` it came from reports only what the model adds."""
+    lm = HeadConfig("lm_head", is_causal_lm=True, num_layers=1)
+    model = load_headed(GPT2LMHeadModel, str(GPT2_BASE), head_configs=[lm, *HEADS])
+    hf = GPT2LMHeadModel.from_pretrained(str(GPT2_BASE))
+    assert compat.compare_all_params(model, hf) == [
+        "name mismatch heads.sent.lins.0.weight (not in model2)",
+        "name mismatch heads.tag.lins.0.weight (not in model2)",
+        f"parameter count mismatch {len(compat.th_parameter_names(hf)) + 2} "
+        f"{len(compat.th_parameter_names(hf))}",
+    ]
+    names = compat.th_parameter_names(model)
+    assert "transformer.h.0.attn.c_attn.weight" in names and "lm_head.weight" in names
+    with torch.no_grad():
+        hf.transformer.h[0].attn.c_attn.weight[0, 0] += 1
+    assert compat.compare_all_params(model, hf)[0].startswith(
+        "values not even close transformer.h.0.attn.c_attn.weight"
+    )

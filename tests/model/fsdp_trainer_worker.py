@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from transformers import TrainingArguments
 
 from headkit import HeadedTrainer
-from headkit.model.sharding import is_sharded
+from headkit.distributed.sharding import is_sharded
 
 
 def main(out: Path) -> dict[str, Any]:

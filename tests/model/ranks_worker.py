@@ -1,7 +1,7 @@
 """The checks test_ranks.py runs on two CPU ranks (gloo), all in one launch.
 
 ``python ranks_worker.py OUT_DIR MODEL_DIR`` under ``accelerate launch`` (tests/multiproc.py); the
-process group is started by headkit itself (``headkit.model.ranks.current``). MODEL_DIR is
+process group is started by headkit itself (``headkit.distributed.ranks.current``). MODEL_DIR is
 a tiny random BERT with a tokenizer, saved by the test. Each rank runs, in turn:
 
 0. "ddp_runs": tests/model/distributed_worker.py's DDP runs (a custom accelerate loop and
@@ -19,7 +19,10 @@ a tiny random BERT with a tokenizer, saved by the test. Each rank runs, in turn:
    forward with ``output_hidden_states``, ``save_pretrained`` on both ranks, the checkpoint
    loaded and sharded again;
 4. "trainer" (rank 1 only): ``HeadedTrainer`` with ``TrainingArguments(fsdp=...)``, which on
-   the CPU runs DDP instead (a warning says so).
+   the CPU runs DDP instead (a warning says so); then "own_save": rank 1 alone saves its
+   model (in-memory backbone) into its own folder with ``main_process_only=False``;
+5. "saves": ``save_pretrained`` of an unsharded model by both ranks into one folder (rank 0
+   writes, both wait), and a save rank 0 refuses, raised on both.
 
 The test runs the same functions in one process and compares. Tensors go to
 ``<scenario>-rank<r>.safetensors``; the rest is this rank's report (``rank<r>.json``).
@@ -41,7 +44,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from headkit import HeadConfig, HeadedCollator, HeadedModel, cache_features, probe_layers
-from headkit.model import ranks, sharding
+from headkit.distributed import ranks, sharding
 
 ROWS = 11
 BATCH = 2
@@ -281,6 +284,29 @@ def run_fsdp(out: Path) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------- saves
+def run_saves(out: Path) -> dict[str, Any]:
+    """``save_pretrained`` of an unsharded model (in-memory backbone) by both ranks into one
+    folder: rank 0 writes, both return once it is written; a failure on rank 0 (an option it
+    refuses) is raised on both."""
+    model = fsdp_model()
+    model.save_pretrained(out / "shared-ckpt")
+    seen = sorted(p.name for p in (out / "shared-ckpt").iterdir())
+    bad = _error(lambda: model.save_pretrained(out / "bad-ckpt", safe_serialization=False))
+    _save(out, "saves-preds", predictions(model))
+    return {"seen_after_save": seen, "bad": bad}
+
+
+def own_save(out: Path) -> dict[str, Any]:
+    """Rank 1 alone saves its own model into its own folder (``main_process_only=False``):
+    the checkpoint is complete, its in-memory backbone included."""
+    model = fsdp_model()
+    model.save_pretrained(out / "rank1-own", main_process_only=False)
+    _save(out, "own-preds", predictions(model))
+    backbones = sorted((out / "rank1-own").glob("backbone-*"))
+    return {"backbone_files": sorted(p.name for p in backbones[0].iterdir())}
+
+
 def trainer_on_cpu(out: Path) -> dict[str, Any]:
     """``HeadedTrainer`` with ``TrainingArguments(fsdp=...)`` on CPU ranks: DDP, warned."""
     from transformers import TrainingArguments
@@ -312,7 +338,9 @@ def main(out: Path, model_dir: str) -> dict[str, Any]:
     report.update(cache=run_cache(out), probe=run_probe(out, model_dir))
     if rank() == 1:  # no collective in it: rank 1 runs it while rank 0 draws the probe plot
         report["trainer"] = trainer_on_cpu(out)
+        report["own_save"] = own_save(out)
     report["fsdp"] = run_fsdp(out)
+    report["saves"] = run_saves(out)
     return report
 
 

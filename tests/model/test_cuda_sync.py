@@ -78,3 +78,60 @@ def test_headed_forward_does_not_sync(make_tiny, arch: str, layer: int) -> None:
     syncs = _syncs(step)
     syncs += _syncs(step)  # and the next, which reads the first one's loss flags
     assert not syncs, f"{len(syncs)} host-device syncs in a headed forward:\n" + "\n".join(syncs)
+
+
+def _image_and_audio_batches(g: torch.Generator) -> dict[str, dict[str, torch.Tensor]]:
+    from conftest import IMAGE_SIZE, IMAGE_TOKEN
+
+    ids = torch.cat(
+        [
+            torch.ones(2, 1, dtype=torch.long),
+            torch.full((2, 16), IMAGE_TOKEN),
+            torch.randint(4, 40, (2, 3), generator=g),
+        ],
+        1,
+    )
+    audio_mask = torch.ones(2, 800, dtype=torch.long)
+    audio_mask[1, 500:] = 0
+    return {
+        "vit": {"pixel_values": torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)},
+        "wav2vec2": {
+            "input_values": torch.randn(2, 800, generator=g),
+            "attention_mask": audio_mask,
+        },
+        "bert": {"inputs_embeds": torch.randn(2, 6, 32, generator=g)},
+        "t5": {
+            "input_ids": torch.randint(3, 90, (2, 5), generator=g),
+            "decoder_inputs_embeds": torch.randn(2, 3, 32, generator=g),
+        },
+        "llava": {
+            "input_ids": ids,
+            "pixel_values": torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g),
+        },
+    }
+
+
+@pytest.mark.parametrize("arch", ["vit", "wav2vec2", "bert", "t5", "llava"])
+def test_float_input_checks_read_the_first_batch_of_a_shape_only(make_tiny, arch: str) -> None:
+    """NaN in pixels, audio or embeddings, and image tokens against images, are checked on the
+    first batch of each shape (a NaN there is a BatchError) and not read again after it."""
+    from headkit import BatchError
+
+    head = HeadConfig("cls", num_outputs=2, pred_for_sequence=True, pooling="mean")
+    head = head.replace(stack="decoder") if arch == "t5" else head
+    model = HeadedModel(make_tiny(arch, 2).cuda(), [head]).eval()
+    batch = _image_and_audio_batches(torch.Generator().manual_seed(0))[arch]
+    batch = {k: v.cuda() for k, v in batch.items()}
+    float_key = next(k for k, v in batch.items() if v.is_floating_point())
+    poisoned = {**batch, float_key: batch[float_key].clone()}
+    poisoned[float_key][1].view(-1)[0] = float("nan")
+    with torch.no_grad(), pytest.raises(BatchError, match=rf"^{float_key} row 1 holds nan"):
+        model(**poisoned)  # the first batch of its shape: read on the host
+
+    def step() -> None:
+        with torch.no_grad():
+            model(**batch)
+
+    step()
+    syncs = _syncs(step) + _syncs(step)
+    assert not syncs, f"{len(syncs)} host-device syncs in a headed forward:\n" + "\n".join(syncs)

@@ -158,9 +158,51 @@ def test_generate_with_decoder_heads_gives_the_models_tokens(arch: str, task) ->
         .gather(-1, out.sequences[:, 1:, None])
     )
     torch.testing.assert_close(out.token_logprobs, logprobs[..., 0])
-    encoder_head = [*heads, HeadConfig("enc", pred_for_sequence=True)]
-    with pytest.raises(ConfigError, match=r"\['enc'\] read the encoder"):
-        HeadedModel(hf, encoder_head).generate(**batch, **options)
+
+
+@pytest.mark.parametrize(
+    ("arch", "task"), [("t5", None), ("bart", "seq2seq-lm"), ("whisper", "speech-seq2seq")]
+)
+def test_generate_returns_encoder_heads_once_per_sequence(arch: str, task) -> None:
+    """Encoder heads beside decoder heads: the encoder runs once, its heads' outputs come
+    back once per sequence (each prompt's for each of its returned sequences), equal to a
+    plain forward's, and the tokens are the model's own."""
+    hf = build_tiny(arch, LAYERS, task=task)
+    heads = [
+        HeadConfig("lm_head", is_causal_lm=True, stack="decoder"),
+        HeadConfig("value", layer_hook=1, num_outputs=2, stack="decoder"),
+        HeadConfig("topic", num_outputs=3, pred_for_sequence=True, pooling="mean"),
+        HeadConfig("tags", layer_hook=1, num_outputs=4),  # a token head on the encoder
+    ]
+    model = HeadedModel(hf, heads)
+    batch = {k: v for k, v in _batch(arch).items() if not k.startswith("decoder_")}
+    options = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": True}
+    torch.manual_seed(0)
+    with _Count(hf, BLOCKS[arch][0], "encoder") as encoder:
+        out = model.generate(**batch, **options, num_return_sequences=2)
+    assert encoder.calls == LAYERS  # every encoder block ran once, for both prompts together
+    torch.manual_seed(0)
+    expected = GenerationMixin.generate(hf, **batch, **options, num_return_sequences=2)
+    assert torch.equal(out.sequences, expected)
+    plain = model(**batch, decoder_input_ids=out.sequences[::2])
+    for name in ("topic", "tags"):
+        want = plain.preds_by_head[name].repeat_interleave(2, 0)
+        torch.testing.assert_close(out.head_outputs[name], want, msg=name)
+    assert out.head_outputs["topic"].shape == (4, 3)
+    assert out.head_outputs["value"].shape == (4, 3, 2)
+    only_decoder = model.generate(**batch, **options, ignore_heads=["topic", "tags"])
+    assert set(only_decoder.head_outputs) == {"value"}
+    on_encoder = [HeadConfig("lm_head", is_causal_lm=True), heads[1]]  # the encoder's stack
+    with (
+        pytest.warns(UserWarning, match="causal-LM head on a bidirectional"),
+        pytest.raises(
+            ConfigError,
+            match=r"HeadConfig\(name='lm_head'\) reads the encoder \(stack='encoder'\), but "
+            r"generate on an encoder–decoder model chooses tokens with a causal-LM head on its "
+            r"decoder; give it stack='decoder', or pass lm_head_name= to choose a decoder head\.$",
+        ),
+    ):
+        HeadedModel(hf, on_encoder).generate(**batch, **options)
 
 
 def test_stack_is_ignored_by_models_with_one_stack_and_checked_everywhere() -> None:

@@ -1,4 +1,4 @@
-"""Heads on the device of the block that produces their layer (``headkit.model.placement``).
+"""Heads on the device of the block that produces their layer (``headkit.distributed.placement``).
 
 The rule is tested on the CPU with hand-written device maps (accelerate's ``hf_device_map``:
 module name → device); a head built on "meta" shows that HeadedModel follows it. The real
@@ -12,7 +12,7 @@ import torch
 from conftest import build_tiny
 
 from headkit import HeadConfig, HeadedModel
-from headkit.model.placement import execution_device
+from headkit.distributed.placement import execution_device
 
 CUDA = torch.device("cuda", 0), torch.device("cuda", 1)
 

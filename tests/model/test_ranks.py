@@ -197,6 +197,29 @@ def test_fsdp2_trains_like_one_process_and_its_checkpoint_loads_in_one_process(l
     assert fsdp[0]["shard_twice"] == ["ConfigError", "the model is sharded already; shard it once"]
 
 
+# ---------------------------------------------------------------------- saves
+def test_two_ranks_saving_into_one_folder_leave_one_loadable_checkpoint(launch):
+    out, reports, _ = launch
+    saves = [r["saves"] for r in reports]
+    # rank 0 wrote; each rank returned only once it was written, and saw the same folder
+    assert saves[0]["seen_after_save"] == saves[1]["seen_after_save"]
+    assert "head_configs.json" in saves[1]["seen_after_save"]
+    assert not [n for n in saves[0]["seen_after_save"] if n.startswith((".tmp-", ".headkit-"))]
+    loaded = HeadedModel.from_pretrained(out / "shared-ckpt")
+    _equal(worker.predictions(loaded), load_file(str(out / "saves-preds-rank0.safetensors")))
+    # a save rank 0 refuses is raised on both ranks, and writes nothing
+    assert saves[0]["bad"][0] == saves[1]["bad"][0] == "ConfigError"
+    assert "safe_serialization=False is invalid" in saves[0]["bad"][1]
+    assert saves[1]["bad"][1].startswith(f"saving {str(out / 'bad-ckpt')!r} failed on rank 0")
+
+
+def test_rank_1_saving_its_own_model_alone_writes_a_complete_checkpoint(launch):
+    out, reports, _ = launch
+    assert "model.safetensors" in reports[1]["own_save"]["backbone_files"]
+    loaded = HeadedModel.from_pretrained(out / "rank1-own")
+    _equal(worker.predictions(loaded), load_file(str(out / "own-preds-rank1.safetensors")))
+
+
 def test_trainer_fsdp_on_cpu_ranks_runs_ddp_and_says_so(launch):
     _, reports, _ = launch
     trainer = reports[1]["trainer"]

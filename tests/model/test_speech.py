@@ -182,8 +182,17 @@ def test_frame_labels_are_collated_per_frame_of_real_audio() -> None:
 def test_audio_is_checked_before_the_model_runs() -> None:
     model = HeadedModel(build_tiny("wav2vec2", 2), [HeadConfig("h", pred_for_sequence=True)])
     audio = torch.randn(2, 400)
-    with pytest.raises(BatchError, match=r"input_values of 5 samples are too short"):
+    with pytest.raises(
+        BatchError,
+        match=r"input_values row 0 has 5 samples of audio, fewer than the 20 that Wav2Vec2Model's "
+        r"feature encoder needs for one frame \(its receptive field\); allowed: clips of at least "
+        r"20 samples",
+    ):
         model(input_values=audio[:, :5])
+    short_row = torch.ones(2, 400, dtype=torch.long)
+    short_row[1, 3:] = 0  # a 3-sample clip padded beside a long one
+    with pytest.raises(BatchError, match=r"input_values row 1 has 3 samples of audio, fewer than"):
+        model(input_values=audio, attention_mask=short_row)
     with pytest.raises(
         BatchError, match=r"input_values of shape \(400,\); expected \(batch, samples\)"
     ):

@@ -5,17 +5,38 @@ transformers' ``generate`` runs the encoder once (``get_encoder``), then calls t
 ``Seq2SeqDriver.forward`` runs only the decoder, as deep as the heads need, through the same
 input stage and hooked run as ``HeadedModel.forward`` (``prepare_decoder_inputs``,
 ``run_stage``); the next-token logits and every other head come from that same pass
-(``generation._HeadedDriver.step``). Heads must read the decoder (``stack="decoder"``).
+(``generation._HeadedDriver.step``). Heads on the encoder (``stack="encoder"``) are computed
+once per prompt by ``encoder_head_outputs``, which runs the encoder (the only run: its output
+goes to ``generate`` as ``encoder_outputs``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.modeling_outputs import Seq2SeqLMOutput
 
-from ..backbone.inputs import BackboneInputs, prepare_decoder_inputs
+from ..backbone.inputs import BackboneInputs, prepare_decoder_inputs, prepare_inputs, run_stage
+
+if TYPE_CHECKING:
+    from .headed import HeadedModel
+
+
+def encoder_head_outputs(
+    headed: HeadedModel, heads: dict[str, Any], encoder_inputs: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """(each encoder head's output on the prompts, the encoder's output for ``generate``):
+    the encoder runs once, in full, with the heads' layers captured. ``heads``: name → the
+    state it reads; ``encoder_inputs``: the encoder's input and ``attention_mask``. Sequence
+    heads give (batch, num_outputs), token heads (batch, encoder positions, num_outputs)."""
+    inputs = prepare_inputs(headed.backbone, headed.info, encoder_inputs, check=False)
+    captured, encoder_outputs = run_stage(
+        headed.backbone, headed.info, inputs, set(heads.values()), early_exit=False
+    )
+    masks = headed.head_masks(inputs)
+    outputs = {name: headed.heads[name](captured[key], masks[name]) for name, key in heads.items()}
+    return outputs, encoder_outputs
 
 
 class Seq2SeqDriver:

@@ -25,19 +25,18 @@ from transformers.utils import ModelOutput
 
 from ..backbone.inputs import cache_of, check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
+from ..model.head_inputs import layer_index
 from .budget import check_generation_size, prompt_shape
-from .labels import with_keywords
-from .reading import layer_index
 from .recording import Recorder, stitch, until_eos
-from .seq2seq import Seq2SeqDriver
+from .seq2seq import Seq2SeqDriver, encoder_head_outputs
 
 if TYPE_CHECKING:
-    from .headed import HeadedModel
+    from ..model.headed import HeadedModel
 
 #: Decoding modes whose rows stay in place from step to step (beams reorder them).
 _ROW_STABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 #: Where per-step head outputs are read: at each token's own position, or at the step that
-#: chose it (transformer-heads' alignment).
+#: chose it.
 HEAD_OUTPUTS_AT = ("token", "step")
 #: generate() keywords that would hand a cache in or out of headkit's control.
 _CACHE_KWARGS = ("cache", "past_key_values")
@@ -58,8 +57,12 @@ class HeadedGenerateOutput(ModelOutput):
       num_outputs), value at generated token t computed on the hidden state at the position
       of token t itself; sequence heads (R, num_outputs), on each finished sequence (prompt
       and generated tokens up to and including the row's first eos). With
-      ``head_outputs_at="step"`` (transformer-heads' alignment) entry t is read one position
-      earlier, and sequence heads give (R, N, num_outputs).
+      ``head_outputs_at="step"`` entry t is read one position
+      earlier, and sequence heads give (R, N, num_outputs). An encoder–decoder model's
+      encoder heads (``stack="encoder"``) are computed once per prompt on the encoder's
+      input: sequence heads (R, num_outputs), token heads (R, S, num_outputs) over the
+      encoder's S input positions (each prompt's value repeated for its
+      ``num_return_sequences`` rows).
     - ``generated_mask`` (R, N): 1 for generated tokens up to and including the row's first
       eos, 0 for the padding generate appends after it.
     - ``attention_mask`` (R, P + N): the prompt's mask followed by ``generated_mask``; a plain
@@ -78,7 +81,7 @@ class HeadedGenerateOutput(ModelOutput):
     logits: tuple[torch.Tensor, ...] | None = None
 
     @property
-    def logprobs(self) -> torch.Tensor | None:  # transformer-heads' name
+    def logprobs(self) -> torch.Tensor | None:  # the older name
         return self.token_logprobs
 
 
@@ -112,8 +115,8 @@ class HeadedGenerationMixin:
         token t is computed on the hidden state at the position of token t itself, i.e. the
         value a plain forward over the final ``sequences`` gives at that position; sequence
         heads pool each finished sequence (prompt and generated tokens up to and including the
-        first eos), (R, num_outputs). ``head_outputs_at="step"`` (transformer-heads'
-        alignment): entry t is computed at the step that chose token t, on the state of the
+        first eos), (R, num_outputs). ``head_outputs_at="step"``:
+        entry t is computed at the step that chose token t, on the state of the
         position before it (the last prompt token for t = 0), so its ``[t + 1]`` is the
         default's ``[t]``; sequence heads give (R, N, num_outputs), entry t pooling the
         sequence up to that position. Every step runs the backbone
@@ -125,6 +128,8 @@ class HeadedGenerationMixin:
         An encoder–decoder model (T5, BART, Whisper) generates from its encoder's input
         (``input_ids``, or ``input_features=`` for Whisper; padded on either side) with heads
         on its decoder (``stack="decoder"``); "prompt" positions are then the decoder's start.
+        Its encoder heads (``stack="encoder"``) are computed once per prompt, in the one run
+        of the encoder, and returned in ``head_outputs`` too.
         See ``HeadedGenerateOutput`` and ``docs/generation.md``.
         """
         if head_outputs_at not in HEAD_OUTPUTS_AT:
@@ -151,13 +156,25 @@ class HeadedGenerationMixin:
         was_training = self.training
         self.eval()  # dropout would add noise and draw from the sampling RNG
         try:
+            encoder_outputs: dict[str, torch.Tensor] = {}
+            if plan.encoder_heads:  # the encoder's one run: its output goes to generate
+                main = self.info.main_input
+                prompt = input_ids if main == "input_ids" else kwargs.get(main)
+                given = {main: prompt, "attention_mask": attention_mask}
+                encoder_outputs, kwargs["encoder_outputs"] = encoder_head_outputs(
+                    self, plan.encoder_heads, given
+                )
             out = driver.generate(
                 input_ids,
                 attention_mask=attention_mask,
                 generation_config=generation_config,
                 **kwargs,
             )
-            return _finish(driver, out, input_ids, attention_mask, effective, head_outputs_at)
+            result = _finish(driver, out, input_ids, attention_mask, effective, head_outputs_at)
+            rows = result.sequences.shape[0]
+            for name, value in encoder_outputs.items():  # one per prompt → one per row
+                result.head_outputs[name] = value.repeat_interleave(rows // value.shape[0], 0)
+            return result
         finally:
             self.train(was_training)
 
@@ -171,6 +188,7 @@ class _Plan:
     lm_layer: Any  # the state each head reads (HeadedModel.state_keys)
     token_heads: dict[str, Any]
     sequence_heads: dict[str, Any]
+    encoder_heads: dict[str, Any]  # an encoder–decoder model's: computed once per prompt
 
     @property
     def head_layers(self) -> set:
@@ -196,7 +214,8 @@ def _plan(model: HeadedModel, ignore: set[str], lm_name: str | None) -> _Plan:
     lm = _lm_head(model, lm_name)
     if lm in ignore:
         raise ConfigError(
-            f"ignore_heads names {lm!r}, the causal-LM head generate chooses tokens with"
+            f"ignore_heads names {lm!r}, the causal-LM head generate chooses tokens with; "
+            "leave it out of ignore_heads, or pass lm_head_name= to choose another causal-LM head."
         )
     cfg = model.head_configs[lm]
     vocab = model.info.vocab_size
@@ -205,20 +224,22 @@ def _plan(model: HeadedModel, ignore: set[str], lm_name: str | None) -> _Plan:
             f"HeadConfig(name={lm!r}): num_outputs={cfg.num_outputs} is not the vocabulary size "
             f"({vocab}); generate needs a causal-LM head over the whole vocabulary"
         )
-    active = [n for n in model.head_configs if n != lm and n not in ignore]
     hooks = model.state_keys()
-    on_encoder = [n for n in [lm, *active] if isinstance(hooks[n], int)]
-    if model.info.encoder_decoder and on_encoder:
+    if model.info.encoder_decoder and isinstance(hooks[lm], int):
         raise ConfigError(
-            f"generate on an encoder–decoder model computes heads on its decoder; head(s) "
-            f"{on_encoder} read the encoder (stack='encoder'): give them stack='decoder' or "
-            "pass ignore_heads="
+            f"HeadConfig(name={lm!r}) reads the encoder (stack='encoder'), but generate on an "
+            "encoder–decoder model chooses tokens with a causal-LM head on its decoder; give "
+            f"it stack='decoder', or pass lm_head_name= to choose a decoder head."
         )
+    active = [n for n in model.head_configs if n != lm and n not in ignore]
+    on_encoder = [n for n in active if model.info.encoder_decoder and isinstance(hooks[n], int)]
+    stepped = [n for n in active if n not in on_encoder]
     return _Plan(
         lm=lm,
         lm_layer=hooks[lm],
-        token_heads={n: hooks[n] for n in active if not model.head_configs[n].pred_for_sequence},
-        sequence_heads={n: hooks[n] for n in active if model.head_configs[n].pred_for_sequence},
+        token_heads={n: hooks[n] for n in stepped if not model.head_configs[n].pred_for_sequence},
+        sequence_heads={n: hooks[n] for n in stepped if model.head_configs[n].pred_for_sequence},
+        encoder_heads={n: hooks[n] for n in on_encoder},
     )
 
 
@@ -323,8 +344,14 @@ class _HeadedDriver:
         self.generation_config = copy.deepcopy(default_generation_config(headed))
         self.recorder = Recorder()
         self.final_step = False
-        self.forward = with_keywords(self.forward, headed.info.extra_inputs)  # pixel_values...
         self.prompt_length: int | None = None  # an encoder–decoder model's decoder start
+
+    def _validate_model_kwargs(self, model_kwargs: dict[str, Any]) -> None:
+        """transformers' check of generate's keywords against ``forward``'s parameters, less
+        the backbone's own inputs (``pixel_values``, ...), which ``forward`` passes on
+        through its ``**kwargs`` to the input stage."""
+        own = set(self._headed.info.extra_inputs)
+        super()._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k not in own})
 
     def forward(
         self,

@@ -21,7 +21,9 @@ from ..backbone.inputs import BackboneInputs
 from ..backbone.inspection import BackboneInfo
 from ..backbone.modalities import DECODER, default_pooling, image_token_ids, pool_over_mask
 from ..config import HeadConfig
+from ..distributed.placement import on_device_of
 from ..errors import BatchError, ConfigError
+from ..heads.base import Head
 
 #: What a head reads among the captured states: an index, or ``(DECODER, index)``.
 StateKey = int | tuple[str, int]
@@ -57,6 +59,12 @@ def resolve_config(info: BackboneInfo, backbone: PreTrainedModel, cfg: HeadConfi
         raise ConfigError(
             f"HeadConfig(name={cfg.name!r}): pooling={cfg.pooling!r} needs the backbone's "
             f"pooler, but {type(backbone).__name__} has none; use 'first', 'mean', ..."
+        )
+    if "patch_mean" in cfg.pooling_strategies and info.modality != "vision":
+        raise ConfigError(
+            f"HeadConfig(name={cfg.name!r}): pooling={cfg.pooling!r} averages the image "
+            f"patches of a vision backbone, but {type(backbone).__name__} is a "
+            f"{info.modality} model; use 'mean'"
         )
     if cfg.pool_over != "all" and not image_token_ids(backbone.config):
         raise ConfigError(
@@ -127,3 +135,30 @@ def head_masks(
 def mask_of(mask: torch.Tensor | Mapping[str, Any] | None, head: str) -> torch.Tensor | None:
     """A head's mask from one mask for all heads or a mapping of them by head name."""
     return mask.get(head) if isinstance(mask, Mapping) else mask
+
+
+def head_inputs(
+    heads: Mapping[str, Any],
+    keys: Mapping[str, Any],
+    captured: dict,
+    mask: torch.Tensor | Mapping[str, Any] | None,
+) -> dict[str, torch.Tensor]:
+    """Each head's input from the hooked states ``captured`` (each head reads
+    ``captured[keys[name]]``, moved to the head's device where it sits elsewhere,
+    ``placement.py``); a parameter-free pooling is computed once per (state, positions,
+    device, pooling) and shared by the heads that ask for it. ``mask``: one for all heads, or
+    each head's (``head_masks``). ``HeadedModel.forward`` and the ONNX graph both call it."""
+    shared: dict[tuple, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, head in heads.items():
+        layer = keys[name]
+        hidden = on_device_of(head, captured[layer])
+        key = head.pooling_key if isinstance(head, Head) else None
+        if key is None:
+            out[name] = head.features(hidden, mask_of(mask, name))
+            continue
+        key = (layer, getattr(head.config, "pool_over", "all"), hidden.device, *key)
+        if key not in shared:
+            shared[key] = head.features(hidden, mask_of(mask, name))
+        out[name] = shared[key]
+    return out

@@ -25,10 +25,10 @@ from .manifest import fsync_dir, fsync_file, sha256_file
 from .paths import owning_checkpoint
 
 if TYPE_CHECKING:
-    from ..model.headed import HeadedModel
+    from .contract import CheckpointModel
 
 
-def foreign_owner(model: HeadedModel, root: Path, save_backbone: bool | None) -> Path | None:
+def foreign_owner(model: CheckpointModel, root: Path, save_backbone: bool | None) -> Path | None:
     """The backbone folder the model was loaded from when another checkpoint than ``root``
     owns it (None otherwise); ``save_backbone=False`` there is a CheckpointError."""
     src = model.source
@@ -53,7 +53,7 @@ def foreign_owner(model: HeadedModel, root: Path, save_backbone: bool | None) ->
 
 
 def link_backbone(
-    model: HeadedModel, folder: Path, root: Path, token: str
+    model: CheckpointModel, folder: Path, root: Path, token: str
 ) -> dict[str, Any] | None:
     """``root/backbone-<token>/`` with the files of ``folder`` hard-linked (copied where links
     are refused), or None when the files are not what the model holds (write it instead)."""

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import read_checkpoint, restore
-from ..checkpoint.card import CARD, owns_card, refresh_card
-from ..checkpoint.journal import in_use
-from ..checkpoint.manifest import MANIFEST, PICKLE_SUFFIXES
-from ..checkpoint.paths import read_raw
 from ..errors import CheckpointError, ConfigError, HeadkitError
+from .card import CARD, owns_card, refresh_card
+from .journal import in_use
+from .manifest import MANIFEST, PICKLE_SUFFIXES
+from .paths import read_raw
+from .restore import read_checkpoint, restore
 
 if TYPE_CHECKING:
-    from .headed import HeadedModel
+    from ..model.headed import HeadedModel
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 #: Names in a checkpoint folder that are never uploaded (headkit's own bookkeeping).
@@ -92,6 +92,16 @@ def push_to_hub(
     return PushResult(repo_id, target if keep else None, files, left_out, url)
 
 
+def export_to_hub(
+    model: HeadedModel | str | os.PathLike, output_dir: str | os.PathLike, **options: Any
+) -> PushResult:
+    """The ``"hub"`` exporter (``headkit.export``): ``push_to_hub(model, repo_id, ...)``
+    staged in ``output_dir`` (``options``: ``repo_id`` and ``push_to_hub``'s keywords)."""
+    if "repo_id" not in options:
+        raise ConfigError("format='hub' needs repo_id=", field="repo_id", value=None)
+    return push_to_hub(model, options.pop("repo_id"), output=output_dir, **options)
+
+
 def stage(
     source: Any,
     target: Path,
@@ -111,7 +121,7 @@ def stage(
             if model_cls is None:
                 raise ConfigError("include_backbone=True for a checkpoint folder needs model_cls")
             model = restore(folder, model_cls=model_cls)
-            model.save_pretrained(target, save_backbone=True)
+            model.save_pretrained(target, save_backbone=True, main_process_only=False)
             raw = read_raw(folder / MANIFEST)
             skip = in_use(raw) | set(os.listdir(target))
             if not owns_card(folder, raw):
@@ -120,7 +130,11 @@ def stage(
         else:
             left_out = _copy_folder(folder, target)
     else:
-        source.save_pretrained(target, save_backbone=True if include_backbone else None)
+        # a staging folder of this process alone: no collective, whatever its rank (a model
+        # sharded with FSDP2 is saved on every rank first, and its folder pushed)
+        source.save_pretrained(
+            target, save_backbone=True if include_backbone else None, main_process_only=False
+        )
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
     manifest = read_raw(target / MANIFEST)

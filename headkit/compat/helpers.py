@@ -27,8 +27,8 @@ from transformers import AutoConfig, PreTrainedModel
 
 from ..checkpoint import restore
 from ..errors import BatchError, ConfigError
+from ..generation.generate import HeadedGenerateOutput
 from ..metrics import evaluation_batches
-from ..model.generation import HeadedGenerateOutput
 from ..model.headed import HeadedModel
 
 #: transformer-heads' name of ``HeadedModel.generate``'s output (``.logprobs`` is
@@ -175,33 +175,70 @@ def _one_by_one(model: Any, ds: Any, collate: Any) -> Iterable[tuple[dict, Any]]
 
 
 def compare_all_params(model1: torch.nn.Module, model2: torch.nn.Module) -> list[str]:
-    """Compare the parameters of two models in order (names without peft's
-    ``base_model.model.`` prefix, shapes, dtypes, values); print each difference as
-    transformer-heads does and return the lines (empty: the same)."""
+    """Compare the parameters of two models by the names transformer-heads gives them
+    (shapes, dtypes, values); print each difference as transformer-heads does and return the
+    lines (empty: the same).
+
+    Names are read as transformer-heads wrote them (``th_parameter_names``): peft's
+    ``base_model.model.`` prefix dropped, and a HeadedModel's ``backbone.*`` under the
+    backbone's ``base_model_prefix`` (``model.*``, ``transformer.*``), its heads' Linears as
+    ``heads.<name>.lins.<i>`` and a one-Linear ``lm_head`` as ``lm_head``, so a HeadedModel
+    compares with the ``*ForCausalLM`` it was built from, and with a transformer-heads model.
+    Parameters are paired by name; a name only one model has is a "name mismatch" line.
+    """
     lines: list[str] = []
-    pairs = zip(model1.named_parameters(), model2.named_parameters())
-    for (name1, param1), (name2, param2) in pairs:
-        prefix = "base_model.model."
-        if name1.removeprefix(prefix) != name2.removeprefix(prefix):
-            lines.append(f"name mismatch {name1} {name2}")
-        if param1.shape != param2.shape:
+    params1, params2 = th_parameter_names(model1), th_parameter_names(model2)
+    for name1, param1 in params1.items():
+        param2 = params2.get(name1)
+        if param2 is None:
+            lines.append(f"name mismatch {name1} (not in model2)")
+        elif param1.shape != param2.shape:
             lines.append(f"shape mismatch {name1} {tuple(param1.shape)} {tuple(param2.shape)}")
         elif param1.dtype != param2.dtype:
             lines.append(f"dtype mismatch {name1} {param1.dtype} {param2.dtype}")
         elif not torch.allclose(param1, param2.to(param1.device)):
-            diff = (param1 - param2.to(param1.device)).abs()
+            diff = (param1.detach() - param2.detach().to(param1.device)).abs()
             lines.append(
                 f"values not even close {name1} (mean diff {float(diff.mean())}, max diff "
                 f"{float(diff.max())})"
             )
         elif not torch.equal(param1, param2.to(param1.device)):
             lines.append(f"values not equal {name1}")
-    n1, n2 = len(list(model1.parameters())), len(list(model2.parameters()))
-    if n1 != n2:
-        lines.append(f"parameter count mismatch {n1} {n2}")
+    lines += [f"name mismatch {n} (not in model1)" for n in params2 if n not in params1]
+    if len(params1) != len(params2):
+        lines.append(f"parameter count mismatch {len(params1)} {len(params2)}")
     for line in lines:
         print(line)
     return lines
+
+
+def th_parameter_names(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """``model``'s parameters under the names transformer-heads gives them (see
+    ``compare_all_params``); a model that is no HeadedModel keeps its own names (without
+    peft's ``base_model.model.`` prefix). A tied weight is listed under each of its names
+    (GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``)."""
+    peft_prefix = "base_model.model."
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(inner, HeadedModel):
+        # tied weights under each name (a tied lm_head is a parameter of its own there)
+        named = model.named_parameters(remove_duplicate=False)
+        return {n.removeprefix(peft_prefix): p for n, p in named}
+    prefix = getattr(inner.backbone, "base_model_prefix", "") or "model"
+    backbone = inner.backbone.named_parameters(remove_duplicate=False)
+    out = {f"{prefix}.{n}": p for n, p in backbone}
+    lm_head = {}
+    for name, head in inner.heads.items():
+        linears = {id(m): i for i, m in enumerate(getattr(head, "linears", []))}
+        for module_name, module in head.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                index = linears.get(id(module))
+                if index is None:
+                    out[f"heads.{name}.{module_name}.{pname}".replace("..", ".")] = p
+                elif name == "lm_head" and len(linears) == 1:
+                    lm_head[f"lm_head.{pname}"] = p
+                else:
+                    out[f"heads.{name}.lins.{index}.{pname}"] = p
+    return {**out, **lm_head}
 
 
 @functools.cache

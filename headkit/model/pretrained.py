@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed.parallel import drop_idle_gradients
 from ..errors import ConfigError
 from ..heads.base import Head
-from .parallel import drop_idle_gradients
 
 #: Output fields the vanilla Trainer must not gather as predictions (``logits`` carries them).
 TRAINER_IGNORED_OUTPUTS = ("loss_by_head", "adapted_loss_by_head", "preds_by_head")
@@ -197,15 +197,15 @@ class PreTrainedConveniences:
 
     def push_to_hub(self, repo_id: str, **options: Any) -> Any:
         """Save to a staged folder with its model card and upload it to hub repo ``repo_id``;
-        ``dry_run=True`` only stages it (options and refusals: ``headkit.model.hub``)."""
-        from .hub import push_to_hub
+        ``dry_run=True`` only stages it (options and refusals: ``headkit.checkpoint.hub``)."""
+        from ..checkpoint.hub import push_to_hub
 
         return push_to_hub(self, repo_id, **{"model_cls": type(self), **options})
 
     # ------------------------------------------------------------------ parameters
     @property
     def model(self) -> nn.Module:
-        """The backbone, under the name transformer-heads gave it (``th_model.model``)."""
+        """The backbone, also under the name ``model``."""
         return self.backbone
 
     @property

@@ -19,12 +19,17 @@ non-padding token it read); ``lins.<i>`` is the head's i-th Linear. A head named
 was never saved on its own by transformer-heads: it is the base's (or, in the LoRA layout, the
 adapter's saved ``lm_head.base_layer``) LM head, with a LoRA adapter on it merged into the
 head. The adapter's other layers are injected into the backbone, under the backbone's names.
+
+``READER`` is registered in ``headkit.formats.READERS`` as ``"transformer-heads"``
+(lazily, by ``headkit/__init__.py``): ``restore`` reads these folders through it and asks the
+read checkpoint's ``format`` (a ``TransformerHeadsCheckpoint``) how to build and load it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,12 +41,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..backbone.adapters import adapter_names, base_state_dict
+from ..backbone.inspection import base_model_of
 from ..backbone.safety import check_model_class
 from ..backbone.sources import load_backbone, source_of
-from ..config import HeadConfig
-from ..errors import CheckpointError, ConfigError
-from ..heads.base import HEADS
-from .adapters import (
+from ..checkpoint.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
@@ -49,8 +52,17 @@ from .adapters import (
     _load_state,
     _read_config,
 )
-from .manifest import MAX_MANIFEST_BYTES, PICKLE_SUFFIXES, check_head_count
-from .paths import MANIFEST
+from ..checkpoint.manifest import (
+    MAX_MANIFEST_BYTES,
+    PICKLE_SUFFIXES,
+    check_head_count,
+    short_repr,
+)
+from ..checkpoint.paths import MANIFEST, MAX_NAME, check_inside, plain_name
+from ..checkpoint.restore import Checkpoint
+from ..config import HeadConfig
+from ..errors import CheckpointError, ConfigError
+from ..heads.base import HEADS
 
 if TYPE_CHECKING:
     from ..model.headed import HeadedModel
@@ -114,6 +126,27 @@ class TransformerHeadsCheckpoint:
     def where(self) -> str:
         return str(self.root)
 
+    # ------------------------------------------------------------------ CheckpointFormat
+    def build_backbone(
+        self,
+        ckpt: Checkpoint,
+        model_class: type | None,
+        torch_dtype: Any,
+        device_map: Any,
+        kwargs: dict[str, Any],
+        trainable: bool,
+    ) -> tuple[Any, Any]:
+        backbone, source = self.load_backbone(model_class, torch_dtype, device_map, kwargs)
+        self.load_adapter(base_model_of(backbone), trainable=trainable)
+        return backbone, source
+
+    def head_tensors(self, ckpt: Checkpoint, model: HeadedModel) -> dict[str, torch.Tensor]:
+        return self.head_state_for(model)
+
+    def load_backbone_into(self, ckpt: Checkpoint, model: HeadedModel) -> None:
+        self.load_backbone_state(model.backbone)
+        self.load_adapter(model.backbone, trainable=True)
+
     # ------------------------------------------------------------------ backbone
     def load_backbone(
         self,
@@ -173,8 +206,9 @@ class TransformerHeadsCheckpoint:
         if missing or unexpected or info.get("mismatched_keys") or info.get("error_msgs"):
             raise CheckpointError(
                 f"{self.where!r}: the backbone in {_WEIGHTS} does not match its config.json: "
-                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}, "
-                f"mismatched {list(info.get('mismatched_keys') or [])[:5]}"
+                f"missing {short_repr(sorted(missing)[:5], 300)}, unexpected "
+                f"{short_repr(sorted(unexpected)[:5], 300)}, mismatched "
+                f"{short_repr(list(info.get('mismatched_keys') or [])[:5], 300)}"
             )
         return hf
 
@@ -196,14 +230,15 @@ class TransformerHeadsCheckpoint:
         if missing or unexpected:
             raise CheckpointError(
                 f"{self.where!r}: the backbone in {_WEIGHTS} does not match the model's: "
-                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+                f"missing {short_repr(missing[:5], 300)}, unexpected "
+                f"{short_repr(unexpected[:5], 300)}"
             )
         with torch.no_grad():
             for k, v in state.items():
                 if tuple(v.shape) != tuple(own[k].shape):
                     raise CheckpointError(
-                        f"{self.where!r}: backbone tensor {k!r} has shape {tuple(v.shape)}, the "
-                        f"model's {tuple(own[k].shape)}"
+                        f"{self.where!r}: backbone tensor {short_repr(k)} has shape "
+                        f"{tuple(v.shape)}, the model's {tuple(own[k].shape)}"
                     )
                 own[k].copy_(v.to(own[k].device, own[k].dtype))
 
@@ -272,7 +307,8 @@ class TransformerHeadsCheckpoint:
         config = _read_config(self.root)
         if extra or getattr(config, "use_dora", False):
             raise CheckpointError(
-                f"{self.where!r}: the adapter's lm_head part holds {extra or 'DoRA weights'}; "
+                f"{self.where!r}: the adapter's lm_head part holds "
+                f"{short_repr(extra, 300) if extra else 'DoRA weights'}; "
                 "headkit merges plain LoRA (lora_A, lora_B) into the lm_head head only"
             )
         a = self.adapter[f"{_LM}.lora_A.weight"].double()  # (r, hidden)
@@ -283,6 +319,23 @@ class TransformerHeadsCheckpoint:
         return (b @ a * scaling).float()
 
 
+# ---------------------------------------------------------------------- the reader
+class TransformerHeadsReader:
+    """transformer-heads' folders as a ``CheckpointReader`` (``READERS["transformer-heads"]``)."""
+
+    def detect(self, root: Path) -> bool:
+        return is_transformer_heads_checkpoint(root)
+
+    def read(self, root: Path) -> Checkpoint:
+        found = read_transformer_heads(root)
+        if found is None:
+            raise CheckpointError(f"{str(root)!r} is not a transformer-heads checkpoint")
+        return Checkpoint(root, found.manifest, found.head_state, format=found)
+
+
+READER = TransformerHeadsReader()
+
+
 # ---------------------------------------------------------------------- reading
 def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoint | None:
     """Read a transformer-heads folder (None when ``path`` is not one); CheckpointError when
@@ -291,9 +344,12 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
     layout = detect(root)
     if layout is None:
         return None
+    for name in (_CONFIG, MANIFEST, ADAPTER_CONFIG, _INDEX):
+        _check_contained(root, name, name)
     if layout == "full":
         fields = _json(root / _CONFIG)["output_heads"]
         tensors = _read_weights(root)
+        check_config_sizes(root, _json(root / _CONFIG), tensors)
     else:
         fields = list(_json(root / MANIFEST).values())
         tensors = {}
@@ -324,7 +380,7 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
             if k.startswith(f"heads.{cfg.name}.")
         }
         if not own:
-            own = _read_file(root / f"{cfg.name}.safetensors", "head weights")
+            own = _read_file(_contained(root, f"{cfg.name}.safetensors"), "head weights")
         state.update(_head_state(cfg, own, root))
     manifest = {
         "format": FORMAT,
@@ -335,12 +391,14 @@ def read_transformer_heads(path: str | os.PathLike) -> TransformerHeadsCheckpoin
         "adapter": {"format": FORMAT} if adapter is not None else None,
     }
     base = _resolve_base(root) if layout == "lora" else (str(root) if layout == "full" else None)
+    if layout == "lora":
+        check_base_sizes(base)
     return TransformerHeadsCheckpoint(root, layout, manifest, state, base, adapter, lm_keys)
 
 
 def _head_config(fields: Any, root: Path) -> HeadConfig:
     if not isinstance(fields, dict):
-        raise CheckpointError(f"{str(root)!r}: a head config {fields!r:.80} is not an object")
+        raise CheckpointError(f"{str(root)!r}: a head config {short_repr(fields)} is not an object")
     data = dict(fields)
     if data.get("pred_for_sequence"):
         data.setdefault("pooling", "last")  # it read the last non-padding token
@@ -348,8 +406,14 @@ def _head_config(fields: Any, root: Path) -> HeadConfig:
         cfg = HeadConfig.from_dict(data, unknown="warn")
     except (ConfigError, TypeError, ValueError) as e:
         raise CheckpointError(
-            f"{str(root)!r}: invalid transformer-heads head config: {e}"
+            f"{str(root)!r}: invalid transformer-heads head config: {str(e)[:300]}"
         ) from None
+    if not plain_name(cfg.name) or cfg.name.startswith("."):
+        raise CheckpointError(
+            f"{str(root)!r}: head name {short_repr(cfg.name)} is invalid; a transformer-heads "
+            f"head is read from <name>.safetensors inside the folder: a plain file name (no "
+            f"'/', '\\', leading '.'; at most {MAX_NAME} bytes)"
+        )
     if cfg.name == _LM and cfg.num_layers != 1:
         raise CheckpointError(
             f"{str(root)!r}: head 'lm_head' has num_layers={cfg.num_layers}; transformer-heads "
@@ -361,14 +425,20 @@ def _head_config(fields: Any, root: Path) -> HeadConfig:
 def _head_state(cfg: HeadConfig, tensors: dict[str, torch.Tensor], root: Path) -> dict:
     """``lins.<i>.weight`` / ``.bias`` of one head → ``heads.<name>.<its i-th Linear>.*``."""
     n = cfg.num_layers
+    if not n <= len(tensors) <= 2 * n:  # before the names are listed: num_layers=10**6
+        raise CheckpointError(
+            f"{str(root)!r}: head {short_repr(cfg.name)} (num_layers={n}) needs {n} to {2 * n} "
+            f"tensors, the checkpoint holds {len(tensors)}: they do not match"
+        )
     expected = {f"lins.{i}.weight" for i in range(n)}
     expected |= {f"lins.{i}.bias" for i in range(n - 1)}
     if cfg.output_bias:
         expected.add(f"lins.{n - 1}.bias")
     if set(tensors) != expected:
         raise CheckpointError(
-            f"{str(root)!r}: head {cfg.name!r} (num_layers={n}, output_bias={cfg.output_bias}) "
-            f"needs tensors {sorted(expected)}, the checkpoint holds {sorted(tensors)[:8]}"
+            f"{str(root)!r}: head {short_repr(cfg.name)} (num_layers={n}, output_bias="
+            f"{cfg.output_bias}) needs tensors {short_repr(sorted(expected), 200)}, the "
+            f"checkpoint holds {short_repr(sorted(tensors), 200)}"
         )
     names = _linear_names(cfg, n, cfg.name)
     out = {}
@@ -403,7 +473,7 @@ def _prefix_of(adapter: dict[str, torch.Tensor]) -> str:
 
 
 def _read_adapter(root: Path) -> dict[str, torch.Tensor]:
-    file = root / ADAPTER_WEIGHTS
+    file = _contained(root, ADAPTER_WEIGHTS)
     if not file.is_file():
         _refuse_pickles(root, ADAPTER_WEIGHTS)
     state = _read_file(file, "adapter weights")
@@ -417,8 +487,8 @@ def _resolve_base(root: Path) -> str:
     base = config.get("base_model_name_or_path")
     if not isinstance(base, str) or not base:
         raise CheckpointError(
-            f"{str(root / ADAPTER_CONFIG)!r}: base_model_name_or_path={base!r} is invalid; the "
-            "base model's path or hub id"
+            f"{str(root / ADAPTER_CONFIG)!r}: base_model_name_or_path={short_repr(base)} is "
+            "invalid; the base model's path or hub id"
         )
     if os.path.isdir(base):
         return os.path.abspath(base)
@@ -454,13 +524,14 @@ def _read_weights(root: Path) -> dict[str, torch.Tensor]:
             isinstance(f, str) and "/" not in f and f.endswith(".safetensors") for f in files
         ):
             raise CheckpointError(
-                f"{str(root / _INDEX)!r} names files {files[:3]}; safetensors only"
+                f"{str(root / _INDEX)!r} names files {short_repr(files[:3], 300)}; safetensors "
+                "files inside the folder only"
             )
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(_read_file(root / f, "model weights"))
+            state.update(_read_file(_contained(root, f), "model weights"))
         return state
-    if not (root / _WEIGHTS).is_file():
+    if not _contained(root, _WEIGHTS).is_file():
         _refuse_pickles(root, _WEIGHTS)
     return _read_file(root / _WEIGHTS, "model weights")
 
@@ -472,9 +543,91 @@ def _refuse_pickles(root: Path, wanted: str) -> None:
 
 
 def _read_file(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; CheckpointError when it is missing, unreadable, or holds
+    a NaN or infinite value (named by its tensor)."""
     if not path.is_file():
         raise CheckpointError(f"{what} {str(path)!r} is missing")
     try:
-        return load_file(str(path))
+        state = load_file(str(path))
     except Exception as e:  # safetensors raises plain Exception subclasses
         raise CheckpointError(f"{what} {str(path)!r} cannot be read: {e}") from None
+    for key, value in state.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(
+                f"{what} {str(path)!r}: tensor {short_repr(key)} holds NaN or infinite values"
+            )
+    return state
+
+
+def _contained(root: Path, name: str) -> Path:
+    """``root/name``, refused when it resolves (through a symlink) outside ``root``."""
+    path = root / name
+    check_inside(path, root, f"{name!r} of the transformer-heads checkpoint")
+    return path
+
+
+def _check_contained(root: Path, name: str, what: str) -> None:
+    if os.path.lexists(root / name):
+        check_inside(root / name, root, f"{what!r} of the transformer-heads checkpoint")
+
+
+#: config.json keys that give a backbone's number of blocks, its width and its vocabulary.
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+_VOCAB_KEYS = ("vocab_size",)
+
+
+def check_config_sizes(root: Path, config: Any, tensors: dict[str, Any]) -> None:
+    """Refuse a ``config.json`` whose sizes the weights cannot hold, before anything is built:
+    every block holds at least one tensor, and the embedding table ``vocab_size x width``
+    values (a ``n_layer=10**6`` config would otherwise build a million blocks). ``tensors``
+    maps names to tensors, or to their numbers of values."""
+    if not isinstance(config, dict):
+        return
+    where = f"{str(root / _CONFIG)!r}"
+    layers = _size(config, _LAYER_KEYS)
+    if layers is not None and not 0 < layers[1] <= len(tensors):
+        raise CheckpointError(
+            f"{where}: {layers[0]}={short_repr(layers[1])} blocks, but {_WEIGHTS} holds "
+            f"{len(tensors)} tensors (each block needs at least one): they do not match; "
+            "nothing was built"
+        )
+    width, vocab = _size(config, _WIDTH_KEYS), _size(config, _VOCAB_KEYS)
+    have = sum(t if isinstance(t, int) else t.numel() for t in tensors.values())
+    if width and vocab and width[1] * vocab[1] > 2 * have + (1 << 20):
+        raise CheckpointError(
+            f"{where}: {vocab[0]}={short_repr(vocab[1])} x {width[0]}={short_repr(width[1])} "
+            f"needs {short_repr(width[1] * vocab[1])} values, but {_WEIGHTS} holds {have}: they "
+            "do not match; nothing was built"
+        )
+
+
+def check_base_sizes(base: str | None) -> None:
+    """``check_config_sizes`` for a LoRA save's base when it is a local folder of safetensors
+    weights, from the files' headers alone (nothing is read of the weights)."""
+    if not base or not os.path.isdir(base):
+        return
+    folder = Path(base)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    counts[key] = math.prod(f.get_slice(key).get_shape())
+    except Exception:  # an unreadable file is reported when the base is loaded
+        return
+    check_config_sizes(folder, _json(folder / _CONFIG), counts)
+
+
+def _size(config: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, int] | None:
+    """(key, value) of the first of ``keys`` the config gives as an integer."""
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return key, value
+    return None

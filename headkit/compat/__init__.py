@@ -1,13 +1,19 @@
-"""transformer-heads' public names under one import path (``headkit.compat``).
+"""transformer-heads compatibility: the one edge package that knows that library.
 
 ``from transformer_heads... import X`` becomes ``from headkit.compat import X`` for every name
 its notebooks and tests import; each keeps its signature and, where headkit's own differs in
 what it returns (``evaluate_head_wise``), transformer-heads' result. See docs/migrating.md.
+
+The package adapts to headkit's core and the core never imports it: ``calls.py`` binds its
+loaders' call forms (``TH_ORDER``, ``TH_QLORA_ORDER``, ``bind_positional``) onto headkit's
+loaders; ``checkpoint.py`` reads its saves as a registered checkpoint format
+(``READERS["transformer-heads"]``); ``helpers.py`` holds its helper functions and outputs.
 """
 
-from .config import HeadConfig
-from .integrations.peft import create_headed_qlora, load_lora_with_heads
-from .integrations.transformer_heads import (
+from ..config import HeadConfig
+from ..model.headed import HeadedModel, HeadedModelOutput
+from .calls import create_headed_qlora, load_headed, load_lora_with_heads
+from .helpers import (
     DataCollatorWithPadding,
     HeadedModelGenerateOutput,
     compare_all_params,
@@ -18,9 +24,8 @@ from .integrations.transformer_heads import (
     get_top_n_preds,
     load_tokenizer,
     print_trainable_parameters,
+    th_parameter_names,
 )
-from .loading import load_headed
-from .model.headed import HeadedModel, HeadedModelOutput
 
 __all__ = [
     "DataCollatorWithPadding",
@@ -39,4 +44,5 @@ __all__ = [
     "load_lora_with_heads",
     "load_tokenizer",
     "print_trainable_parameters",
+    "th_parameter_names",
 ]

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .generation import _Plan
-    from .headed import HeadedModel
+    from ..model.headed import HeadedModel
+    from .generate import _Plan
 
 
 class Recorder:

@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from .ranks import agree, current
 
 if TYPE_CHECKING:
-    from .headed import HeadedModel
+    from ..model.headed import HeadedModel
 
 
 def shard(model: HeadedModel, mesh: Any = None, **fsdp_kwargs: Any) -> HeadedModel:
@@ -44,7 +44,7 @@ def shard(model: HeadedModel, mesh: Any = None, **fsdp_kwargs: Any) -> HeadedMod
     ``mesh``: a 1-D ``DeviceMesh`` (default: every rank of the default process group, on
     the model's device type); ``fsdp_kwargs`` go to every ``fully_shard`` call
     (``reshard_after_forward``, ``mp_policy``, ``offload_policy``, ...). Needs a process
-    group (torchrun or ``accelerate launch`` start one, see ``headkit.model.ranks``).
+    group (torchrun or ``accelerate launch`` start one, see ``headkit.distributed.ranks``).
     """
     if not (isinstance(model, nn.Module) and hasattr(model, "head_configs")):
         raise ConfigError(f"shard takes a HeadedModel, got {type(model).__name__}")
