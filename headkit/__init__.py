@@ -43,6 +43,7 @@ _LAZY: dict[str, str] = {
     "PoolingStrategy": "heads.pooling",
     "ProbeResults": "probe.results",
     "ProbeRow": "probe.results",
+    "SlowHeadsWarning": "model.rates",
     "SequencePooling": "heads.pooling",
     "cache_features": "features",
     "calibrate": "calibration",
@@ -54,6 +55,7 @@ _LAZY: dict[str, str] = {
     "load_headed": "compat.calls",
     "load_lora_with_heads": "compat.calls",
     "merge_and_unload": "integrations.peft",
+    "param_groups": "model.rates",
     "parse_layers": "probe.sweep",
     "predict_on_features": "features",
     "print_trainable_parameters": "compat.helpers",
@@ -155,6 +157,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names
     from .metrics import evaluate_head_wise as evaluate_head_wise
     from .model.headed import HeadedModel as HeadedModel
     from .model.headed import HeadedModelOutput as HeadedModelOutput
+    from .model.rates import SlowHeadsWarning as SlowHeadsWarning
+    from .model.rates import param_groups as param_groups
     from .probe.results import ProbeResults as ProbeResults
     from .probe.results import ProbeRow as ProbeRow
     from .probe.sweep import parse_layers as parse_layers

@@ -371,7 +371,7 @@ def evaluation_batches(
             for i, batch in enumerate(batches):
                 if limit is not None and i >= limit:
                     break
-                batch = _to_device(batch, device)
+                batch = batch_to_device(batch, device)
                 # labels only loss-free heads read serve their metrics, not the model call
                 yield batch, model(**without_unused_labels(batch, configs))
     finally:
@@ -389,9 +389,11 @@ def _cpu(x: Any) -> Any:
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
+def batch_to_device(batch: Any, device: torch.device) -> Any:
+    """A batch (tensors, and mappings of them such as ``labels={target: tensor}``) on
+    ``device``; anything else as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
+        return {k: batch_to_device(v, device) for k, v in batch.items()}
     return batch

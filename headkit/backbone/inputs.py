@@ -165,6 +165,13 @@ def _token_inputs(
     attention_mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
     token_type_ids, past_key_values = batch.get("token_type_ids"), batch.get("past_key_values")
     past = _past_length(past_key_values)
+    params = info.stack_params or info.forward_params
+    if token_type_ids is not None and "token_type_ids" not in params:
+        # a tokenizer made for another model: they would be dropped, and the model not told
+        raise BatchError(
+            f"token_type_ids were given, but {type(backbone).__name__} takes none (it has no "
+            "token-type table); remove them from the batch (return_token_type_ids=False)"
+        )
     if check:
         check_inputs(
             backbone, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, past

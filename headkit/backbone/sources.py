@@ -186,6 +186,91 @@ def source_of(
     return BackboneSource(path, recorded, dtype, fingerprint, stamp, where)
 
 
+#: ``loaded_from`` compares tensors of up to this many elements whole, and larger ones on
+#: this many rows, evenly spaced along the first dimension (a 7B model: a few MB read).
+_WHOLE_TENSOR = 1 << 20
+_ROWS_COMPARED = 16
+
+
+def loaded_from(model: PreTrainedModel) -> BackboneSource | None:
+    """The source of a model ``from_pretrained`` loaded (its ``name_or_path``: a folder, or a
+    hub id with a cached snapshot) when every tensor of its bare transformer is still what
+    that folder's safetensors files hold (names and shapes; tensors of up to ``_WHOLE_TENSOR``
+    elements compared whole, larger ones on ``_ROWS_COMPARED`` rows);
+    None otherwise (built in memory, GGUF, pickles, adapters, renamed or changed tensors).
+
+    So ``HeadedModel(ViTModel.from_pretrained(d), heads)`` references ``d`` like
+    ``load_headed(d, ...)`` does, instead of copying the backbone on every save."""
+    path = getattr(model, "name_or_path", None)
+    if not isinstance(path, str) or not path:
+        return None
+    from .adapters import has_adapters
+
+    if has_adapters(model):
+        return None
+    folder: Path | None = Path(path) if os.path.isdir(path) else _hub_folder(path, {})
+    if folder is None or not folder.is_dir():
+        return None
+    files = weight_files(folder)
+    if not files or not _same_tensors(model, files):
+        return None
+    return source_of(model, path, "auto", {})
+
+
+def _saved_names(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """``model``'s tensors under the names ``save_pretrained`` writes (transformers renames
+    some families' weights when loading, and back when saving)."""
+    state = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers: names are as saved
+        return state
+    return revert_weight_conversion(model, dict(state))
+
+
+def _same_tensors(model: PreTrainedModel, files: list[Path]) -> bool:
+    """Whether every tensor of ``model`` is in ``files`` under its saved name with its
+    shape, and equal on sampled rows (file values cast to the tensor's dtype, as loading
+    does); a weight tied to one already compared (an LM head) may be absent."""
+    from safetensors import safe_open
+
+    handles = []
+    try:
+        where: dict[str, Any] = {}
+        for f in files:
+            h = safe_open(str(f), framework="pt")
+            handles.append(h)
+            where.update({k: h for k in h.keys()})  # noqa: SIM118 (a safe_open handle)
+        state = _saved_names(model)
+        absent = [t for k, t in state.items() if k not in where]
+        present = {t.data_ptr() for k, t in state.items() if k in where}
+        if any(t.data_ptr() not in present for t in absent):
+            return False  # a tensor the files lack, and not tied to one they hold
+        with torch.no_grad():
+            for key, t in state.items():
+                if key not in where:
+                    continue
+                if t.device.type == "meta":
+                    return False
+                part = where[key].get_slice(key)
+                if list(part.get_shape()) != list(t.shape):
+                    return False
+                if t.ndim == 0 or t.numel() <= _WHOLE_TENSOR:
+                    rows = [slice(None)]
+                else:
+                    n = t.shape[0]
+                    k = min(_ROWS_COMPARED, n)
+                    picks = sorted({i * (n - 1) // max(k - 1, 1) for i in range(k)})
+                    rows = [slice(i, i + 1) for i in picks]
+                for r in rows:
+                    stored = part[r] if t.ndim else part[:]
+                    if not torch.equal(stored.to(t.dtype), t[r].cpu() if t.ndim else t.cpu()):
+                        return False
+    except (OSError, ValueError, RuntimeError, TypeError, SafetensorError):
+        return False
+    return True
+
+
 def model_fingerprint(bare: torch.nn.Module, folder: Path | None, kwargs: dict[str, str]) -> str:
     """``files:`` fingerprint of the weight files the backbone was loaded from when they are
     known (safetensors or GGUF), ``tensors:`` fingerprint of its tensors otherwise."""

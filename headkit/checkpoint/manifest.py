@@ -61,6 +61,37 @@ def fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+_TRAINER_FOLDER = (
+    "{path!r} is missing: this folder holds a whole state dict that transformers.Trainer "
+    "wrote from a HeadedModel (heads {heads}), without the head configs, so it is not a "
+    "headkit checkpoint. Train with headkit.HeadedTrainer (its checkpoints load with "
+    "HeadedModel.from_pretrained); to recover these weights, build the same model "
+    "(load_headed(backbone, head_configs=[...])) and call "
+    "model.load_state_dict(safetensors.torch.load_file('<folder>/model.safetensors')), then "
+    "model.save_pretrained(...)"
+)
+#: Largest safetensors header read to tell a Trainer's state-dict file (bytes).
+_MAX_HEADER = 64 << 20
+
+
+def trainer_state_dict_heads(root: Path) -> list[str]:
+    """The head names in a ``model.safetensors`` that ``transformers.Trainer`` wrote from a
+    HeadedModel's whole state dict (keys ``heads.<name>.*`` next to ``backbone.*``); [] for
+    any other folder. Reads the file's header only."""
+    path = root / "model.safetensors"
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= _MAX_HEADER:
+                return []
+            keys = json.loads(f.read(n))
+    except (OSError, ValueError, RecursionError):
+        return []
+    if not isinstance(keys, dict) or not any(str(k).startswith("backbone.") for k in keys):
+        return []
+    return sorted({str(k).split(".")[1] for k in keys if str(k).startswith("heads.")})
+
+
 def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """Read and validate ``head_configs.json``; raise CheckpointError on any problem.
 
@@ -73,6 +104,9 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         extra = f"; it holds pickle files {pickles}, which headkit never loads" if pickles else ""
+        heads = trainer_state_dict_heads(root)
+        if heads:
+            raise CheckpointError(_TRAINER_FOLDER.format(path=str(path), heads=heads))
         raise CheckpointError(f"{str(path)!r} is missing: not a headkit checkpoint{extra}")
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:

@@ -174,9 +174,11 @@ def _backbone_entry(
     owned = foreign_owner(model, root, asked) if referable else None
     if owned is not None:  # a folder another checkpoint owns (and deletes): linked or copied
         linked = link_backbone(model, owned, root, token)
-        return linked or _write_backbone(model, root, token, max_shard_size)
+        entry = linked or _write_backbone(model, root, token, max_shard_size)
+        return {**entry, "reason": "from_checkpoint"}
     if save_backbone:
-        return _write_backbone(model, root, token, max_shard_size)
+        entry = _write_backbone(model, root, token, max_shard_size)
+        return {**entry, "reason": _copy_reason(model, asked, unsafe)}
     if unsafe:
         raise CheckpointError(
             f"save_backbone=False, but the backbone's weights at {model.source.source!r} are "
@@ -201,6 +203,21 @@ def _backbone_entry(
     }
 
 
+def _copy_reason(model: CheckpointModel, asked: bool | None, unsafe: bool) -> str:
+    """Why the backbone is copied (``card.BACKBONE_REASONS`` says it in words)."""
+    if asked:
+        return "asked"
+    if model.source is None or not model.source.fingerprint:
+        return "in_memory"
+    if any(p.requires_grad for p in base_parameters(model.backbone)):
+        return "trainable"
+    if unsafe:
+        return "not_safetensors"
+    if model.source.saved_in is not None and backbone_is_referable(model):
+        return "from_checkpoint"
+    return "changed"
+
+
 def _saved_in_place(model: CheckpointModel, root: Path, previous: Any) -> dict[str, Any] | None:
     """The current manifest's saved-backbone entry, when the model was restored from that
     very folder of this checkpoint and is unchanged: saving heads back keeps it."""
@@ -216,7 +233,7 @@ def _saved_in_place(model: CheckpointModel, root: Path, previous: Any) -> dict[s
         return None
     if not same:
         return None
-    return {k: bb[k] for k in ("kind", "path", "files_sha256", "fingerprint") if k in bb}
+    return {k: bb[k] for k in ("kind", "path", "files_sha256", "fingerprint", "reason") if k in bb}
 
 
 def _write_heads(model: CheckpointModel, root: Path, token: str) -> str:

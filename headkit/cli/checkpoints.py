@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..model.headed import HeadedModel
+
+if TYPE_CHECKING:  # imports torch and transformers: only where a model is loaded
+    from ..model.headed import HeadedModel
 
 CLI_SETTINGS = "headkit_cli.json"
 
@@ -33,12 +35,26 @@ def save_trained(
     return out
 
 
+def record_metrics(out: str | Path, metrics: dict[str, dict[str, float]]) -> None:
+    """Add held-out ``metrics`` ({head: {metric: value}}) to ``headkit_cli.json`` and render
+    the model card again with them (its evaluation section and ``model-index``)."""
+    from ..checkpoint.card import refresh_card
+    from .outputs import write_text
+
+    out = Path(out)
+    settings = {**read_settings(out), "metrics": metrics}
+    write_text(out / CLI_SETTINGS, json.dumps(settings, indent=2) + "\n")
+    refresh_card(out)
+
+
 def open_checkpoint(
     checkpoint: str | Path, model: HeadedModel | None = None
 ) -> tuple[HeadedModel, Any, dict[str, Any]]:
     """The model (``model`` if given, else loaded), tokenizer and CLI settings of a folder.
     The settings are read first: a corrupt ``headkit_cli.json`` is refused before loading."""
     from transformers import AutoTokenizer
+
+    from ..model.headed import HeadedModel
 
     root = Path(checkpoint)
     settings = read_settings(root)

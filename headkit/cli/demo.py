@@ -18,7 +18,7 @@ from .options import add_quiet, positive, val_splits
 
 HELP = "probe the packaged MiniLM on the packaged reviews, then train a head"
 EXAMPLE = """example:
-  headkit demo                     # about a minute on 2 CPU cores
+  headkit demo                     # minutes on 2 CPU cores (17 min at load 10-15)
   headkit demo --examples 4000 --output runs/demo"""
 
 LABELS = {0: "rotten", 1: "fresh"}
@@ -37,16 +37,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    run_demo(args.examples, args.val_splits, Path(args.output), progress=not args.quiet)
+    run_demo(
+        args.examples,
+        args.val_splits,
+        Path(args.output),
+        progress=not args.quiet,
+        device=args.device,
+    )
 
 
-def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -> dict:
+def run_demo(
+    examples: int, val_splits: int, out: Path, progress: bool = True, device: str | None = None
+) -> dict:
     """Run the demo, writing everything under ``out``; return the headline numbers."""
     import yaml
 
     from ..packaged import rotten_tomatoes
     from ..probe.sweep import probe_layers
     from .datafiles import read_rows, write_rows
+    from .options import resolve_device
     from .outputs import check_output_folder
     from .predict import run_predict
     from .train import load_train_config, run_train
@@ -70,6 +79,7 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
         f"[1/3] a linear probe per layer (mean pooling, {val_splits} validation splits, "
         "control task)"
     )
+    where = resolve_device(device)
     results = probe_layers(
         "packaged:minilm",
         texts,
@@ -77,6 +87,7 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
         control=True,
         progress=progress,
         val_splits=val_splits,
+        model_kwargs={"device_map": str(where)} if where.type != "cpu" else None,
     )
     print(results.table())
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +102,9 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
     write_rows(out / "test.csv", [r for i, r in enumerate(table) if i in held_out])
     config = _train_config(best.layer)
     (out / "train.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    trained = run_train(load_train_config(out / "train.yaml"), progress=progress, overwrite=True)
+    trained = run_train(
+        load_train_config(out / "train.yaml"), progress=progress, overwrite=True, device=device
+    )
     accuracy = trained["metrics"]["sentiment"]["accuracy"]
 
     print(f"\n[3/3] held-out predictions (headkit predict -> {out / 'predictions.csv'})")
@@ -101,6 +114,7 @@ def run_demo(examples: int, val_splits: int, out: Path, progress: bool = True) -
         out / "predictions.csv",
         progress=progress,
         overwrite=True,
+        device=device,
     )
     for r in read_rows(predictions, limit=3):
         print(f"  {r['sentiment']:<6} p={float(r['sentiment_prob']):.2f}  {r['text'][:70]}")

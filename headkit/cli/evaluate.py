@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> None:
         limit=args.limit,
         progress=not args.quiet,
         encoding=args.encoding,
+        device=args.device,
     )
     print(metrics_table(metrics))
     if args.output:
@@ -75,14 +76,19 @@ def run_eval(
     progress: bool = True,
     model: HeadedModel | None = None,
     encoding: str | None = None,
+    device: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per-head metrics of a checkpoint on a data file (columns default to training's)."""
-    from ..metrics import evaluate_head_wise
-    from .checkpoints import open_checkpoint
+    from .checkpoints import CLI_SETTINGS, read_settings
     from .datafiles import read_rows, require_columns, require_labels
-    from .rows import encode_rows
 
-    model, tokenizer, settings = open_checkpoint(checkpoint, model)
+    opened = None
+    if model is None and not Path(checkpoint, CLI_SETTINGS).is_file():
+        # no settings to check the columns by (not headkit train's folder): the loader's error
+        from .checkpoints import open_checkpoint
+
+        opened = open_checkpoint(checkpoint)
+    settings = read_settings(Path(checkpoint))  # the columns first: before torch is imported
     text_column = text_column or settings.get("text_column", "text")
     label_columns = label_columns or settings.get("label_columns")
     if not label_columns:
@@ -93,6 +99,15 @@ def run_eval(
     labelled = {f"--label-column {t}": c for t, c in label_columns.items()}
     require_columns(rows, {"--text-column": text_column, **labelled}, data)
     require_labels(rows, labelled, data)
+    from ..metrics import evaluate_head_wise
+    from .checkpoints import open_checkpoint
+    from .rows import encode_rows
+
+    model, tokenizer, settings = opened or open_checkpoint(checkpoint, model)
+    if device is not None:  # --device (the batches follow the model)
+        from .options import resolve_device
+
+        model.to(resolve_device(device))
     configs = list(model.head_configs.values())
     max_length = settings.get("max_length", 128)
     examples, _ = encode_rows(rows, tokenizer, configs, text_column, label_columns, max_length)

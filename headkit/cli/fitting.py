@@ -44,14 +44,13 @@ from ..features import (
 )
 from ..features.train import OptimizerSteps
 from ..losses.objective import head_loss
-from ..metrics import HeadMetric
+from ..metrics import HeadMetric, batch_to_device
 from ..model.headed import HeadedModel
+from ..model.rates import HEAD_LR, param_groups
+from .train_config import LOG_FOLDER, STATE_FOLDER
 
 #: A validation score counts as better when it improves by more than this share.
 MIN_IMPROVEMENT = 1e-4
-#: Where the training state is kept (inside the output folder) and the logs are written.
-STATE_FOLDER = "training_state"
-LOG_FOLDER = "logs"
 #: Metrics for which lower is better (besides ``loss``).
 LOWER_IS_BETTER = ("loss", "mse", "mae", "perplexity")
 
@@ -89,10 +88,13 @@ def fit_heads(
     )
     train_set = [examples[i] for i in train_rows]
     val_set = [examples[i] for i in val_rows]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params, lr=float(training["lr"]), weight_decay=float(training.get("weight_decay", 0.01))
-    )
+    lr = float(training["lr"])
+    # a trained backbone at training.lr, fresh heads at least at HEAD_LR (model/rates.py);
+    # weight decay (AdamW's own default 0.01) on weight matrices only
+    head_lr = lr if training["freeze_backbone"] else max(HEAD_LR, lr)
+    decay = float(training.get("weight_decay", 0.01))
+    groups = param_groups(model, head_lr=head_lr, backbone_lr=lr, weight_decay=decay)
+    opt = torch.optim.AdamW(groups)
     size = training["batch_size"]
     accumulation = int(training.get("gradient_accumulation_steps", 1))
     per_epoch = math.ceil(math.ceil(len(train_set) / size) / accumulation)
@@ -232,20 +234,6 @@ def _score(scores: dict[str, float], metric: str) -> float:
     return sum(values) / len(values)
 
 
-def metric_names(configs: list[Any]) -> list[str]:
-    """What ``training.metric_for_best_model`` may name for heads of these configs."""
-    names = {"loss"}
-    for cfg in configs:
-        name = cfg.name
-        if cfg.loss_fct is None:
-            continue
-        task = cfg.task
-        found = ["mse", "mae", "r2"] if task == "regression" else ["accuracy", "macro_f1"]
-        names.update(found)
-        names.update(f"{name}_{m}" for m in [*found, "loss"])
-    return sorted(names)
-
-
 # ---------------------------------------------------------------------- the optimiser
 def make_scheduler(
     opt: torch.optim.Optimizer, training: dict[str, Any], total: int
@@ -357,7 +345,7 @@ def _full_epochs(
         steps.optimizer.zero_grad(set_to_none=True)
         for i, batch in enumerate(loader):
             with _autocast(model, precision):
-                out = model(**batch)
+                out = model(**batch_to_device(batch, model.device))
             steps.backward(out.loss, last=i == len(loader) - 1)
             total, n = total + float(out.loss.detach()), n + 1
         return total / max(n, 1)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from ..errors import HeadkitError
 from . import convert, demo, evaluate, export, predict, probe, push, train
+from .options import add_device, add_threads
 
 #: Command name -> its module (``HELP``, ``EXAMPLE``, ``add_arguments``, ``run``).
 COMMANDS = {
@@ -29,6 +30,9 @@ COMMANDS = {
     "export": export,
     "push": push,
 }
+
+#: Commands that run a model over data: they take ``--device``.
+RUN_MODELS = ("probe", "train", "eval", "predict", "demo")
 
 #: An error's ``field`` (``HeadkitError.field``) -> the option it is reported as, where the
 #: command has that option: library arguments by their option names, positionals as named.
@@ -73,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(p)
+        add_threads(p)
+        if name in RUN_MODELS:
+            add_device(p)
         p.set_defaults(run=module.run)
     return parser
 
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(_join_dash_values(argv))
     try:
-        with _progress_bars(not getattr(args, "quiet", False)):
+        with _progress_bars(not getattr(args, "quiet", False)), _threads(args.threads):
             args.run(args)
     except HeadkitError as e:
         message = " ".join(str(e).split())
@@ -117,6 +124,71 @@ def _has(args: argparse.Namespace, option: str) -> bool:
 
 
 @contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """``--threads N``: torch's CPU threads for the command (OMP_NUM_THREADS for a torch
+    imported later, ``torch.set_num_threads`` for one already imported); then as it was."""
+    if n is None:
+        yield
+        return
+    import os
+
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    if torch is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+        if before is not None:
+            torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _quiet_environment() -> Iterator[None]:
+    """``--quiet`` before transformers is imported (importing it to switch its bars off
+    costs seconds, before the arguments are checked): huggingface_hub's bars off (what
+    transformers reads when imported) and ``TRANSFORMERS_VERBOSITY=error``; if the command
+    imported transformers, its bars and logging are set back afterwards."""
+    import logging as std_logging
+    import os
+    import warnings
+
+    from huggingface_hub import utils as hub  # light: no torch, no transformers
+
+    hub_off = hub.are_progress_bars_disabled()
+    hub_logger = std_logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
+    saved = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    hub.disable_progress_bars()
+    hub_logger.setLevel(std_logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"(transformers|huggingface_hub)(\.|$)")
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = saved
+        hub_logger.setLevel(hub_level)
+        if "transformers" in sys.modules:  # imported by the command: as it would have been
+            from transformers.utils import logging
+
+            logging.set_verbosity(logging._get_default_logging_level())
+            if not hub_off:
+                logging.enable_progress_bar()  # turns huggingface_hub's on as well
+        elif not hub_off:
+            hub.enable_progress_bars()
+
+
+@contextlib.contextmanager
 def _progress_bars(shown: bool) -> Iterator[None]:
     """With ``shown=False`` (``--quiet``), transformers' and huggingface_hub's own bars
     (``Loading weights``) are off while the command runs, their logging (load reports,
@@ -128,6 +200,10 @@ def _progress_bars(shown: bool) -> Iterator[None]:
     import logging as std_logging
     import warnings
 
+    if "transformers" not in sys.modules:  # not imported yet: the environment, not an import
+        with _quiet_environment():
+            yield
+        return
     from huggingface_hub import utils as hub
     from transformers.utils import logging
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 DATA_HELP = (
@@ -155,3 +156,61 @@ def add_batching(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=positive, default=128, help="tokens per text (default 128)")
     p.add_argument("--limit", type=positive, help="read at most this many rows")
     add_quiet(p)
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """``--threads N``, on every command (``main`` applies it)."""
+    p.add_argument(
+        "--threads",
+        type=positive,
+        default=None,
+        help="torch CPU threads (default: torch's own, one per core; on a busy machine 1 is "
+        "often faster). Probe fitting always runs on 1 thread: its small matrices only wait "
+        "for each other on more",
+    )
+
+
+#: ``--device`` values: a torch device name (checked against what torch sees once loaded).
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d{1,3})?|auto")
+
+
+def device(text: str) -> str:
+    """``--device``'s syntax now (before torch is imported); ``resolve_device`` checks it."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}; allowed: cpu, cuda, cuda:N, mps, xpu or auto"
+        )
+    return text
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    """``--device``, on the commands that run a model over data."""
+    p.add_argument(
+        "--device",
+        type=device,
+        default="cpu",
+        help="where the model runs: cpu (default), cuda, cuda:N, mps, or auto (cuda when "
+        "torch sees one, else cpu)",
+    )
+
+
+def resolve_device(name: str | None) -> Any:
+    """The ``torch.device`` of ``--device`` (imports torch); a device torch does not see is a
+    ConfigError naming the option."""
+    import torch
+
+    from ..errors import ConfigError
+
+    if name in (None, "cpu"):
+        return torch.device("cpu")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind = name.split(":")[0]
+    backend = getattr(torch, kind, None)
+    available = backend is not None and backend.is_available()
+    index = int(name.split(":")[1]) if ":" in name else 0
+    if available and hasattr(backend, "device_count") and index >= backend.device_count():
+        available = False
+    if not available:
+        raise ConfigError(f"--device={name!r}: torch sees no such device here; allowed: cpu, auto")
+    return torch.device(name)

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> None:
         progress=not args.quiet,
         overwrite=args.overwrite,
         encoding=args.encoding,
+        device=args.device,
     )
     if out is not None:
         print(f"wrote {out}")
@@ -68,6 +69,7 @@ def run_predict(
     progress: bool = True,
     overwrite: bool = False,
     encoding: str | None = None,
+    device: str | None = None,
 ) -> Path | None:
     """Write one row per input (see the module docstring) to ``output``, or as CSV to
     standard output when it is None; returns the file written (None for standard output)."""
@@ -83,7 +85,9 @@ def run_predict(
             )
     rows = read_rows(data, limit, encoding)
     with_text = output is not None
-    out_rows = _predictions(checkpoint, rows, data, text_column, batch_size, progress, with_text)
+    out_rows = _predictions(
+        checkpoint, rows, data, text_column, batch_size, progress, with_text, device
+    )
     if output is None:
         write_table(sys.stdout, out_rows)
         sys.stdout.flush()
@@ -99,17 +103,28 @@ def _predictions(
     batch_size: int,
     progress: bool,
     with_text: bool,
+    device: str | None = None,
 ) -> list[dict]:
+    from .checkpoints import CLI_SETTINGS, read_settings
+    from .datafiles import require_columns
+
+    if Path(checkpoint, CLI_SETTINGS).is_file():  # the columns first: before torch is imported
+        settings = read_settings(Path(checkpoint))
+        require_columns(
+            rows, {"--text-column": text_column or settings.get("text_column", "text")}, data
+        )
     import torch
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     from ..data.collator import HeadedCollator
+    from ..metrics import batch_to_device
     from .checkpoints import open_checkpoint
-    from .datafiles import require_columns
+    from .options import resolve_device
     from .rows import encode_rows, readable
 
     model, tokenizer, settings = open_checkpoint(checkpoint)
+    model.to(resolve_device(device))  # --device
     text_column = text_column or settings.get("text_column", "text")
     require_columns(rows, {"--text-column": text_column}, data)
     configs = list(model.head_configs.values())
@@ -123,7 +138,10 @@ def _predictions(
     done = 0
     with torch.no_grad():
         for batch in tqdm(loader, desc="predict", disable=not progress):
-            preds = model(**batch).preds_by_head
+            preds = {
+                k: v.cpu()
+                for k, v in model(**batch_to_device(batch, model.device)).preds_by_head.items()
+            }
             for i in range(batch["input_ids"].shape[0]):
                 row = out_rows[done + i]
                 for name, cfg in model.head_configs.items():

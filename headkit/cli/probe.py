@@ -117,8 +117,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ..distributed.ranks import is_main
-    from ..probe.sweep import probe_layers
     from .options import check_model_kwargs
     from .outputs import local_inputs
 
@@ -139,7 +137,16 @@ def run(args: argparse.Namespace) -> None:
         except ConfigError as e:  # named as --test-data's (main reports "data file" as --data)
             raise ConfigError(f"--test-data={args.test_data!r}: {e}") from None
         test = {"test_inputs": test_texts, "test_labels": test_labels}
+    # torch and transformers only now: every argument and column was checked
+    from ..distributed.ranks import is_main
+    from ..probe.sweep import probe_layers
+    from .options import resolve_device
+
     options = {"l2": args.l2} if args.l2 else {}
+    model_kwargs = dict(args.model_kwarg)
+    where = resolve_device(getattr(args, "device", None))
+    if where.type != "cpu":
+        model_kwargs.setdefault("device_map", str(where))  # features computed there
     results = probe_layers(
         args.model,
         texts,
@@ -153,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
         max_length=args.max_length,
         batch_size=args.batch_size,
         progress=not args.quiet,
-        model_kwargs=dict(args.model_kwarg),
+        model_kwargs=model_kwargs,
         val_splits=args.val_splits,
         folds=args.folds,
         **test,
@@ -213,7 +220,6 @@ def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
     """(inputs, labels) of a data file by the task: texts (or images / audio by
     ``--image-column`` / ``--audio-column``) and classes, numbers or per-word labels; empty
     label cells are refused with their row numbers."""
-    from ..data.encoding import as_class
     from .datafiles import as_list, as_number, read_rows, require_columns, require_labels
 
     rows = read_rows(source, args.limit, args.encoding)
@@ -223,6 +229,8 @@ def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
         tc = args.image_column or args.audio_column
     require_columns(rows, {option: tc, "--label-column": lc}, source)
     require_labels(rows, {"--label-column": lc}, source)
+    from ..data.encoding import as_class  # (imports torch: after the checks)
+
     if args.task == "token" and option == "--text-column":
         texts = [as_list(r[tc], tc, i) for i, r in enumerate(rows)]
         labels = [[as_class(v) for v in as_list(r[lc], lc, i)] for i, r in enumerate(rows)]
@@ -232,6 +240,9 @@ def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
     else:  # images or audio: paths beside the data file, or datasets cells
         audio = option == "--audio-column"
         inputs = [_media_cell(r[tc], Path(source).parent, audio) for r in rows]
+        if not audio:
+            for i, cell in enumerate(inputs):
+                _check_image_file(cell, f"{option} {tc}: {_row_of(source, i)}")
     if args.task == "regression":
         return inputs, [as_number(r[lc], lc, i) for i, r in enumerate(rows)]
     return inputs, [as_class(r[lc]) for r in rows]
@@ -269,6 +280,33 @@ def _media_cell(value: object, base: Path, audio: bool) -> object:
         samples, rate = read_audio(value["bytes"])
         return {"array": samples, "sampling_rate": rate}
     return value
+
+
+def _row_of(source: str, i: int) -> str:
+    """Where data row ``i`` (0-based) of a data file is, for an error message."""
+    suffix = Path(source).suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        return f"row {i + 1} of {source} (line {i + 2}, after the header)"
+    if suffix == ".jsonl":
+        return f"row {i + 1} of {source} (line {i + 1})"
+    return f"row {i + 1} of {source}"
+
+
+def _check_image_file(cell: object, where: str) -> None:
+    """An image path must exist and hold an image (its header and, for PNG, its checksums:
+    ``PIL.Image.verify``, nothing decoded): refused naming the path and the data file's row."""
+    if not isinstance(cell, (str, os.PathLike)):
+        return
+    path = Path(cell)
+    if not path.is_file():
+        raise ConfigError(f"{where}: image file {str(path)!r} does not exist")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+        raise ConfigError(f"{where}: {str(path)!r} is not a readable image ({e})") from None
 
 
 def write_results(results: ProbeResults, out: Path) -> None:

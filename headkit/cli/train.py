@@ -4,13 +4,10 @@ The config names the backbone, the heads (HeadConfig fields), the data files and
 the training settings and the output folder (keys: docs/cli.md; the schema and the safe YAML
 loader: ``train_config.py``). ``validation_fraction`` of the training rows is held out; after
 each epoch the validation loss is measured, training stops once it has not improved for
-``patience`` epochs (or ``metric_for_best_model``), and the best epoch's weights are kept
-(``fitting.py``: also the lr schedule, clipping, accumulation, bf16/fp16, logs and the state
-``--resume`` continues from). With a frozen backbone the heads train on cached features (one
-backbone pass); otherwise AdamW epochs run through the whole model. ``class_weights:
-balanced`` is computed from the training labels; classifiers are calibrated on the
-validation split. The output folder is checked before anything is loaded. Importing this
-module imports argparse only; ``run`` imports the rest.
+``patience`` epochs, and the best epoch's weights are kept (``fitting.py``). With a frozen
+backbone the heads train on cached features (one backbone pass); otherwise AdamW epochs run
+through the whole model. The output folder is checked before anything is loaded. Importing
+this module imports argparse only; ``run`` imports the rest.
 """
 
 from __future__ import annotations
@@ -61,11 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from .evaluate import metrics_table
 
-    config = load_train_config(args.config, output=args.output, encoding=args.encoding)
+    # the heads are checked with the data, before torch is imported (run_train)
+    config = load_train_config(
+        args.config, output=args.output, encoding=args.encoding, build_heads=False
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LossStillFallingWarning)  # printed below, one line
         result = run_train(
-            config, progress=not args.quiet, overwrite=args.overwrite, resume=args.resume
+            config,
+            progress=not args.quiet,
+            overwrite=args.overwrite,
+            device=args.device,
+            resume=args.resume,
         )
     losses = result["losses"]
     if result.get("resumed_after"):
@@ -93,15 +97,19 @@ def run(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------- config
 def load_train_config(
-    path: str | Path, output: str | None = None, encoding: str | None = None
+    path: str | Path,
+    output: str | None = None,
+    encoding: str | None = None,
+    build_heads: bool = True,
 ) -> dict[str, Any]:
     """Read and check a training config; relative paths are relative to the config's folder.
 
     ``output`` (``--output``, relative to the working folder) replaces the config's
     ``output``; ``encoding`` (``--encoding``) its ``data.encoding``. ``training.epochs`` and
     ``training.lr`` left out (or ``auto``) become ``DEFAULTS[freeze_backbone]``.
+    ``build_heads=False`` leaves the heads as dicts (``HeadConfig`` imports torch):
+    ``run_train`` builds them after the data's columns are checked.
     """
-    from ..config import HeadConfig
     from .train_config import load_yaml, parse_config
 
     path = Path(path)
@@ -121,14 +129,14 @@ def load_train_config(
             f"{path}: training.use_cached_features=true needs training.freeze_backbone=true "
             "(cached features would go stale as the backbone trains)"
         )
-    heads = [HeadConfig.from_dict(h) for h in parsed.heads]
-    _check_training(training, heads, path)
-    for h in heads:
-        if h.is_causal_lm:
+    _check_training(training, parsed.heads, path)
+    for h in parsed.heads:
+        if h.get("is_causal_lm") is True:
             raise ConfigError(
-                f"{path}: head {h.name!r} has is_causal_lm=true; headkit train trains "
+                f"{path}: head {h.get('name')!r} has is_causal_lm=true; headkit train trains "
                 "classification, regression and token heads (use the Python API for LM heads)"
             )
+    heads = head_configs(parsed.heads) if build_heads else [dict(h) for h in parsed.heads]
     base = path.parent
     data = parsed.data.model_dump()
     for key in ("train", "eval"):
@@ -149,10 +157,15 @@ def load_train_config(
     }
 
 
+def head_configs(heads: list[Any]) -> list[Any]:
+    """The config's heads as ``HeadConfig`` objects (checked; dicts are converted)."""
+    from ..config import HeadConfig
+
+    return [h if isinstance(h, HeadConfig) else HeadConfig.from_dict(h) for h in heads]
+
+
 def _check_training(training: dict[str, Any], heads: list, path: Path) -> None:
     """The training settings that depend on each other or on the heads."""
-    from .fitting import metric_names
-
     if training["bf16"] and training["fp16"]:
         raise ConfigError(
             f"{path}: training.bf16=true and training.fp16=true; allowed: one of them, or neither"
@@ -162,7 +175,7 @@ def _check_training(training: dict[str, Any], heads: list, path: Path) -> None:
             f"{path}: training.warmup_ratio={training['warmup_ratio']!r} and "
             f"training.warmup_steps={training['warmup_steps']!r}; allowed: one of them"
         )
-    allowed = metric_names(heads)
+    allowed = _metric_names(heads)
     if training["metric_for_best_model"] not in allowed:
         raise ConfigError(
             f"{path}: training.metric_for_best_model={training['metric_for_best_model']!r} is "
@@ -173,13 +186,28 @@ def _check_training(training: dict[str, Any], heads: list, path: Path) -> None:
 def _ours(folder: Path) -> bool:
     """A folder ``headkit train`` wrote: a checkpoint, or the training state and logs of a
     run that did not finish."""
-    from ..checkpoint.paths import is_checkpoint
-    from .fitting import LOG_FOLDER, STATE_FOLDER
+    from .train_config import LOG_FOLDER, STATE_FOLDER
 
-    if is_checkpoint(folder):
-        return True
     names = {p.name for p in folder.iterdir()}
-    return bool(names) and names <= {STATE_FOLDER, LOG_FOLDER}
+    if names and names <= {STATE_FOLDER, LOG_FOLDER}:
+        return True
+    from ..checkpoint.paths import is_checkpoint  # imports torch: asked only of a folder of files
+
+    return is_checkpoint(folder)
+
+
+def _metric_names(heads: list[Any]) -> list[str]:
+    """What ``training.metric_for_best_model`` may name for these heads (dicts or
+    HeadConfigs; read without importing torch)."""
+    names = {"loss"}
+    for h in heads:
+        get = h.get if isinstance(h, dict) else (lambda k, d=None, h=h: getattr(h, k, d))
+        if get("loss_fct", "cross_entropy") is None:
+            continue
+        found = ["mse", "mae", "r2"] if get("is_regression", False) else ["accuracy", "macro_f1"]
+        names.update(found)
+        names.update(f"{get('name')}_{m}" for m in [*found, "loss"])
+    return sorted(names)
 
 
 def check_output(config: dict[str, Any], overwrite: bool) -> Path:
@@ -193,27 +221,24 @@ def check_output(config: dict[str, Any], overwrite: bool) -> Path:
         config["output"],
         inputs,
         overwrite,
-        ours=_ours,
+        ours=_ours,  # a checkpoint, or an unfinished run's training state
         what="a headkit checkpoint",
     )
 
 
 # ---------------------------------------------------------------------- training
 def run_train(
-    config: dict[str, Any], progress: bool = True, overwrite: bool = False, resume: bool = False
+    config: dict[str, Any],
+    progress: bool = True,
+    overwrite: bool = False,
+    device: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train the heads of a loaded config, save the checkpoint; return the per-epoch training
     and validation losses, the epoch kept, the checkpoint and held-out metrics. ``resume``:
     continue from the training state an interrupted run left in the output folder."""
-    import torch
-
-    from ..backbone.sources import load_tokenizer, resolve_model
-    from ..loading import load_headed
-    from .checkpoints import save_trained
     from .datafiles import read_rows, require_columns, require_labels
-    from .evaluate import run_eval
-    from .fitting import STATE_FOLDER, TrainingState, fit_heads
-    from .rows import encode_rows, with_classes
+    from .train_config import STATE_FOLDER
 
     if resume and not (Path(config["output"]) / STATE_FOLDER / "state.json").is_file():
         raise ConfigError(
@@ -226,11 +251,24 @@ def run_train(
     labelled = {f"data.label_columns.{t}": c for t, c in data["label_columns"].items()}
     require_columns(rows, {"data.text_column": data["text_column"], **labelled}, data["train"])
     require_labels(rows, labelled, data["train"])
+    config = {**config, "heads": head_configs(config["heads"])}
+    # torch and transformers only now: the config, the output and the columns were checked
+    import torch
+
+    from ..backbone.sources import load_tokenizer, resolve_model
+    from ..loading import load_headed
+    from .checkpoints import record_metrics, save_trained
+    from .evaluate import run_eval
+    from .fitting import TrainingState, fit_heads
+    from .options import resolve_device
+    from .rows import encode_rows, with_classes
+
     heads = with_classes(config["heads"], rows, data["label_columns"], "data.label_columns")
     path, kwargs = resolve_model(config["model"], config["model_kwargs"])
     torch.manual_seed(training["seed"])  # the heads' initial weights
     freeze = training["freeze_backbone"]
     model = load_headed(path, head_configs=heads, freeze_base_model=freeze, **kwargs)
+    model.to(resolve_device(device))  # --device: the batches follow the model
     tokenizer = load_tokenizer(config["model"], config["model_kwargs"])
     configs = list(model.head_configs.values())
     examples, _ = encode_rows(
@@ -241,6 +279,7 @@ def run_train(
     calibration = _calibrate(model, tokenizer, examples, training)
     settings = {k: data[k] for k in ("text_column", "label_columns")}
     settings["max_length"] = training["max_length"]
+    settings["data"] = {"train": data["train"], "eval": data["eval"]}  # for the model card
     out = save_trained(model, tokenizer, config["output"], settings)
     TrainingState(out / STATE_FOLDER, model, None).remove()  # the checkpoint supersedes it
     result: dict[str, Any] = {
@@ -265,6 +304,7 @@ def run_train(
             model=model,
             encoding=data["encoding"],
         )
+        record_metrics(out, result["metrics"])  # the card's evaluation and model-index
     return result
 
 

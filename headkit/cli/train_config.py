@@ -57,6 +57,9 @@ def _reporters(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
+#: Where a run keeps its training state (for ``--resume``) and its logs, in the output folder.
+STATE_FOLDER = "training_state"
+LOG_FOLDER = "logs"
 #: ``training.lr_schedule`` values and ``training.report_to`` names.
 SCHEDULES = ("constant", "linear", "cosine")
 REPORTERS = ("csv", "tensorboard")

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..backbone.adapters import has_adapters
+from ..checkpoint.card import EXPORT_CARD, export_card, pipeline_tag, write_export_card
 from ..errors import ConfigError, HeadkitError
 from ..heads.base import Head
 from ..model.headed import HeadedModel
@@ -77,6 +78,26 @@ class TransformersExport:
     auto_class: str
     max_abs_diff: float
     description: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+def _card(
+    model: HeadedModel, head: str, plan: _Plan, cls: str, diff: float, atol: float, where: Any
+) -> str:
+    """The export's model card: a plain transformers classifier, loaded by its Auto class
+    and by pipelines."""
+    tag = pipeline_tag(model.head_configs[head], model.info.modality) or "text-classification"
+    usage = [
+        f"from transformers import {plan.auto}, pipeline",
+        "",
+        f'model = {plan.auto}.from_pretrained("path/to/this/folder")',
+        f'classify = pipeline({tag!r}, model="path/to/this/folder")',
+    ]
+    facts = [
+        f"Head {head!r} of a headkit model, exported as a plain {cls} "
+        f'(format="transformers"); its predictions were checked against the head\'s: largest '
+        f"difference {diff:.3g} (allowed {atol:g}).",
+    ]
+    return export_card(model, [head], "transformers", Path(where), usage, facts)
 
 
 @dataclass
@@ -128,6 +149,10 @@ def export_transformers(
                 "verified": {"atol": atol, "max_abs_diff": diff, "padding": "right"},
             }
             description["files"] = sorted([*(p.name for p in tmp.iterdir()), SIDECAR])
+            card = _card(model, name, plan, type(task_model).__name__, diff, atol, directory)
+            sha = write_export_card(tmp, Path(directory), Path(directory, SIDECAR), card)
+            if sha is not None:
+                description[EXPORT_CARD] = sha
             description["files_sha256"] = files_sha256(tmp, SIDECAR)
             write_json(tmp / SIDECAR, description)
     finally:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..backbone.inputs import prepare_inputs, run_stage
 from ..backbone.inspection import BackboneInfo
-from ..checkpoint.card import head_summary
+from ..checkpoint.card import EXPORT_CARD, export_card, head_summary, write_export_card
 from ..errors import ConfigError, HeadkitError
 from ..heads.base import HeadDict
 from ..model.head_inputs import head_inputs
@@ -155,6 +155,28 @@ class ExportGraph(nn.Module):
         return tuple(head.from_features(features[n]) for n, head in self.heads.items())
 
 
+def _card(model: HeadedModel, names: list[str], diffs: Any, atol: float, where: Any) -> str:
+    """The export's model card: one ONNX graph of the heads, run with onnxruntime."""
+    usage = [
+        "import onnxruntime as ort",
+        "from transformers import AutoTokenizer",
+        "",
+        f'session = ort.InferenceSession("path/to/this/folder/{GRAPH}")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
+        'inputs = tokenizer(texts, padding=True, return_tensors="np")',
+        "wanted = {i.name for i in session.get_inputs()}",
+        "outputs = session.run(None, {k: v for k, v in inputs.items() if k in wanted})",
+        f"# one output per head, in this order: {', '.join(names)}",
+    ]
+    facts = [
+        f"Heads {', '.join(names)} of a headkit model, exported as one ONNX graph "
+        f"({GRAPH}; the backbone cut after the deepest hooked layer, pooling and activations "
+        f"inside); outputs checked against the heads' (allowed difference {atol:g}); "
+        f"{SIDECAR} describes each output.",
+    ]
+    return export_card(model, names, "onnx", Path(where), usage, facts)
+
+
 def export_onnx(
     model: HeadedModel,
     directory: str | os.PathLike,
@@ -198,6 +220,10 @@ def export_onnx(
             if tokenizer:
                 tokenizer.save_pretrained(tmp)
             description["files"] = sorted([*(p.name for p in tmp.iterdir()), SIDECAR])
+            card = _card(model, names, diffs, atol, directory)
+            sha = write_export_card(tmp, Path(directory), Path(directory, SIDECAR), card)
+            if sha is not None:
+                description[EXPORT_CARD] = sha
             description["files_sha256"] = files_sha256(tmp, SIDECAR)
             write_json(tmp / SIDECAR, description)
     finally:

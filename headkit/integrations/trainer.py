@@ -56,20 +56,27 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..checkpoint import MANIFEST, restore
-from ..checkpoint.card import refresh_card
+from ..checkpoint.card import refresh_card, trainer_metrics
 from ..data.collator import HeadedCollator
 from ..distributed.parallel import drop_idle_gradients, join_idle
 from ..distributed.sharding import is_sharded, plain_parameters
 from ..errors import ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
 from ..model.labels import loss_heads, model_columns, route_labels, without_unused_labels
+from ..model.rates import HEAD_LR, param_groups
 
 logger = logging.getLogger(__name__)
 
 
 class HeadedTrainer(Trainer):
-    """``transformers.Trainer`` for a HeadedModel: headkit checkpoints, per-head eval losses,
-    predictions by head. ``data_collator`` defaults to ``HeadedCollator(model, tokenizer)``."""
+    """``transformers.Trainer`` for a HeadedModel: heads at their own learning rate,
+    headkit checkpoints, per-head eval losses, predictions by head. ``data_collator``
+    defaults to ``HeadedCollator(model, tokenizer)``.
+
+    The optimizer Trainer builds (``args.optim``) gets two rates: the heads
+    ``head_learning_rate`` (None: the larger of ``HEAD_LR`` = 3e-3 and
+    ``args.learning_rate``), a trainable backbone ``args.learning_rate``
+    (``headkit.param_groups``); an ``optimizers=`` of your own is used as given."""
 
     def __init__(
         self,
@@ -77,6 +84,7 @@ class HeadedTrainer(Trainer):
         args: Any = None,
         data_collator: Any = None,
         *rest: Any,
+        head_learning_rate: float | None = None,
         **kwargs: Any,
     ) -> None:
         if model is None or not hasattr(model, "head_configs"):
@@ -106,7 +114,36 @@ class HeadedTrainer(Trainer):
             )
         self._head_loss_sums: torch.Tensor | None = None
         self.skipped_batches = 0
+        self.head_learning_rate = (
+            max(HEAD_LR, self.args.learning_rate)
+            if head_learning_rate is None
+            else head_learning_rate
+        )
+        param_groups(model, head_lr=self.head_learning_rate)  # checks the rate now
         self.add_callback(_DropIdleGradients(self))
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer (``args.optim`` and its options) over ``param_groups``: the
+        heads at ``head_learning_rate``, the backbone at ``args.learning_rate``, weight decay
+        on weight matrices."""
+        if self.optimizer is not None or self.optimizer_cls_and_kwargs is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        plain = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+        special = {"params", "model", "optimizer_dict"} & set(kwargs) or "bitsandbytes" in str(cls)
+        if not plain or special:  # GaLore, LOMO, layer-wise, 8-bit, factories: Trainer's way
+            return super().create_optimizer(model)
+        groups = param_groups(
+            self._headed(),
+            head_lr=self.head_learning_rate,
+            backbone_lr=self.args.learning_rate,
+            weight_decay=self.args.weight_decay,
+        )
+        self.optimizer = cls(
+            [{k: v for k, v in g.items() if k != "name"} for g in groups], **kwargs
+        )
+        return self.optimizer
 
     # ------------------------------------------------------------------ training
 
@@ -242,6 +279,9 @@ class HeadedTrainer(Trainer):
             tokenizer.save_pretrained(output_dir)
         # JSON instead of Trainer's pickled training_args.bin: checkpoints hold no pickle.
         Path(output_dir, "training_args.json").write_text(self.args.to_json_string())
+        evals = [e for e in self.state.log_history if any(k.startswith("eval_") for k in e)]
+        if Path(output_dir, MANIFEST).is_file():  # the card: settings and the last evaluation
+            refresh_card(output_dir, metrics=trainer_metrics(evals[-1]) if evals else None)
         return None
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

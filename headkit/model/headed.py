@@ -34,7 +34,7 @@ from ..backbone.inputs import (
     split_inputs,
 )
 from ..backbone.inspection import BackboneInfo, base_model_of, inspect_backbone, prepare_tracing
-from ..backbone.sources import BackboneSource, transformers_model_of
+from ..backbone.sources import BackboneSource, loaded_from, transformers_model_of
 from ..backbone.tying import init_lm_head, tied_head_weights
 from ..checkpoint import restore, save_checkpoint
 from ..config import HeadConfig
@@ -58,7 +58,8 @@ from .head_inputs import (
     state_key,
 )
 from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
-from .pretrained import PreTrainedConveniences, hide_head_dicts_from_trainer
+from .pretrained import PreTrainedConveniences, hide_head_dicts_from_trainer, name_classes
+from .rates import RateWatch
 
 #: A head of more parameters than this is refused unless ``max_head_parameters`` says more.
 DEFAULT_MAX_HEAD_PARAMETERS = 2**31
@@ -156,11 +157,13 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         adopt_adapters(model, self.backbone)  # adapters only inside the backbone
         self.info: BackboneInfo = inspect_backbone(self.backbone, layers_path)
         self.layers_path = layers_path
-        self.source = source
+        # a model from_pretrained loaded, still as its files hold it: referenced, not copied
+        self.source = source if source is not None else loaded_from(model)
         self.early_exit = early_exit
         self.check_inputs = check_inputs
         self._value_checks = ValueChecks()  # on accelerators: once per batch signature
         self._guard = NonFiniteGuard()  # the non-finite loss guard (sync-free on CUDA)
+        self._rate_watch = RateWatch()  # warns once when fresh heads barely move (rates.py)
         self.nonfinite_loss = nonfinite_loss
         self.allow_unused_labels = bool(allow_unused_labels)
         self.max_head_parameters = _check_budget(max_head_parameters)
@@ -201,6 +204,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         else:
             freeze_unreached(self)
         hide_head_dicts_from_trainer(self.backbone.config)
+        name_classes(self.backbone.config, self.head_configs)  # pipelines' labels
         layers = set(self._layer_of_head.values())
         prepare_tracing(self.backbone, self.info, layers)  # capture hooks for torch.compile
         self.set_loss_weighting(loss_weighting)
@@ -330,6 +334,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         models do when it is passed (the backbone config's ``return_dict`` is not read).
         """
         self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
+        if self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._rate_watch.observe(self)  # a learning rate too low for fresh heads: warn once
         extra, labels = split_inputs(self.info, labels)  # pixel_values, input_values, ...
         labels = self._route_labels(labels)
         given = {

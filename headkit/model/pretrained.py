@@ -13,6 +13,7 @@ names in ``model.config.keys_to_ignore_at_inference``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,6 +39,24 @@ def hide_head_dicts_from_trainer(config: Any) -> None:
     keys = list(getattr(config, "keys_to_ignore_at_inference", None) or ["cache"])
     keys += [k for k in TRAINER_IGNORED_OUTPUTS if k not in keys]
     config.keys_to_ignore_at_inference = keys
+
+
+def name_classes(config: Any, heads: Mapping[str, Any]) -> None:
+    """Record the classes of the one head with a loss (a sequence head whose config lists
+    ``extra["classes"]``, as ``headkit train`` writes them) as ``config.id2label`` /
+    ``label2id``, which pipelines label their outputs with; only over transformers' default
+    names (``LABEL_0``, ...), never over names the backbone's config already gives."""
+    trained = [c for c in heads.values() if c.loss_fct is not None]
+    if config is None or len(trained) != 1 or not trained[0].pred_for_sequence:
+        return
+    classes = trained[0].extra.get("classes")
+    if not isinstance(classes, list) or len(classes) != trained[0].num_outputs:
+        return
+    current = getattr(config, "id2label", None) or {}
+    if any(str(v) != f"LABEL_{k}" for k, v in current.items()):
+        return
+    config.id2label = {i: str(c) for i, c in enumerate(classes)}
+    config.label2id = {str(c): i for i, c in enumerate(classes)}
 
 
 class PreTrainedConveniences:

@@ -18,8 +18,9 @@ weights); each (problem, split, variant) keeps the L2 with the best validation s
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,25 @@ from ..errors import ConfigError
 
 #: Default L2 grid (per-row mean loss + l2 * |w|^2 on standardised features).
 DEFAULT_L2 = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+
+
+#: Torch threads the probe fitting runs on. Its matrices are small, so more threads mostly
+#: wait for each other: on a loaded 2-core machine 2 threads took 55-73 s where 1 took
+#: 5.4-6.6 s (7 layers × 480 reviews × 384 features, 3 splits, control task, 5 penalties;
+#: docs/probing.md). The backbone pass keeps torch's own setting (``--threads``).
+FIT_THREADS = 1
+
+
+@contextlib.contextmanager
+def fit_threads(n: int | None = FIT_THREADS) -> Iterator[None]:
+    """Run the block on at most ``n`` torch threads (None: as set), then restore the count."""
+    before = torch.get_num_threads()
+    if n is not None and n < before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def check_penalties(l2: Sequence[float] | Any) -> None:

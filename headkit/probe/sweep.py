@@ -57,6 +57,7 @@ from .fit import (
     bootstrap_interval,
     check_penalties,
     fit_and_score,
+    fit_threads,
     score_items,
     standardisation,
 )
@@ -138,9 +139,10 @@ def probe_layers(
     lap("features")
     test_from = None if given is None else n_examples  # examples from here on: the given split
     split = split_rows(rows, test_fraction, val_fraction, val_splits, seed, test_from, folds)
-    y, penalties, scores = _score(
-        features, rows, split, control, seed, l2, max_iter, tol, bootstrap, progress
-    )
+    with fit_threads():  # small matrices: one thread, never oversubscribed (fit.py)
+        y, penalties, scores = _score(
+            features, rows, split, control, seed, l2, max_iter, tol, bootstrap, progress
+        )
     lap("probes")
     baseline = _baseline(y[0], split, rows.classes is None)
     return ProbeResults(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -170,3 +171,113 @@ def test_refresh_card_adds_what_training_wrote(tmp_path, model):
         )
     model.save_pretrained(tmp_path)  # the refreshed card is still headkit's: saved over
     assert manifest(tmp_path)["card"]["sha256"] == sha256_file(tmp_path / CARD)
+
+
+HOSTILE = [
+    "two\nlines",
+    "---",
+    "# heading",
+    "<script>alert(1)</script>",
+    "<img src=x onerror=alert(1)>",
+    "sep\u2028arator",
+    "[link](javascript:x) *em* `code` | pipe",
+]
+
+
+def test_user_strings_are_data_in_the_body_and_the_front_matter(tmp_path):
+    heads = [
+        HeadConfig(name, num_outputs=2, pred_for_sequence=True, extra={"classes": [name, "ok"]})
+        for name in HOSTILE
+    ]
+    model = HeadedModel(build_tiny("bert", num_layers=2), heads)
+    model.save_pretrained(tmp_path)
+    data = {"train": "\n---\n# <script>x</script>.csv", "eval": "e\u2029val\n---.csv"}
+    (tmp_path / "headkit_cli.json").write_text(
+        json.dumps({"text_column": "<b>text</b>\n# col", "data": data})
+    )
+    metrics = {name: {f"acc\n---\n{name}": 0.5} for name in HOSTILE}
+    assert refresh_card(tmp_path, title="# <script>t</script>\n---", metrics=metrics)
+    text = (tmp_path / CARD).read_text()
+    _, front, body = text.split("---\n", 2)  # the front matter ends at the second "---" line
+    assert front.count("\n---") == 0
+    meta = yaml.safe_load(front)
+    # the front matter round-trips every value
+    results = meta["model-index"][0]["results"]
+    assert [r["task"]["name"] for r in results] == HOSTILE
+    assert [r["metrics"][0]["type"] for r in results] == [f"acc\n---\n{n}" for n in HOSTILE]
+    assert meta["model-index"][0]["name"] == "# <script>t</script>\n---"
+    assert results[0]["dataset"]["name"] == data["eval"]
+    assert meta["metrics"] == sorted(f"acc\n---\n{n}" for n in HOSTILE)
+    # the body: no markup from user strings, no raw separators, one line per table row
+    for bad in ("<script", "<img", "<b>", "\u2028", "\u2029"):
+        assert bad not in body, bad
+    assert not re.search(r"(?<!\\)\]\(javascript", body)  # no link: the bracket is escaped
+    headings = [line for line in body.splitlines() if line.startswith("#")]
+    assert headings[0] == "# \\# &lt;script&gt;t&lt;/script&gt; ---"
+    assert all(h.startswith(("# ", "## ")) for h in headings)
+    assert "\n---" not in body
+    rows = [line for line in body.splitlines() if line.startswith("| ")]
+    assert all(line.count(" | ") == line.replace("\\|", "").count(" | ") for line in rows)
+    table = [r for r in rows if r.endswith("text-classification |")]
+    assert len(table) == len(HOSTILE)  # each head one row, whatever its name holds
+    assert "| two lines | -1 (= 2) |" in body
+    assert "\\[link\\](javascript:x) \\*em\\* \\`code\\` \\| pipe" in body
+    assert ModelCard.load(tmp_path / CARD).data.library_name == "headkit"
+
+
+def test_front_matter_round_trips_any_string():
+    from headkit.checkpoint.card import front_matter
+
+    values = [*HOSTILE, "", " lead", "trail ", "...", "a: b", "- x", "'q'", '"dq"', "\x00\x85"]
+    meta = {"library_name": "headkit", "tags": values, "model-index": [{"name": values[0]}]}
+    text = front_matter(meta)
+    assert not any(line.strip() in ("---", "...") for line in text.splitlines())
+    assert yaml.safe_load(text) == meta
+
+
+@pytest.mark.parametrize(
+    "arch, head, tag, processor",
+    [
+        ("vit", {"pred_for_sequence": True}, "image-classification", "AutoImageProcessor"),
+        ("wav2vec2", {"pred_for_sequence": True}, "audio-classification", "AutoFeatureExtractor"),
+        ("bert", {}, "token-classification", "AutoTokenizer"),
+        (
+            "bert",
+            {"pred_for_sequence": True, "is_regression": True, "loss_fct": "mse"},
+            "text-classification",
+            "AutoTokenizer",
+        ),
+    ],
+)
+def test_the_pipeline_tag_and_snippet_follow_the_modality_and_kind(
+    tmp_path, arch, head, tag, processor
+):
+    model = HeadedModel(build_tiny(arch, num_layers=2), [HeadConfig("h", num_outputs=2, **head)])
+    model.save_pretrained(tmp_path)
+    meta = front_matter(tmp_path)
+    assert meta["pipeline_tag"] == tag and meta["tags"] == ["headkit", tag]
+    text = (tmp_path / CARD).read_text()
+    assert f"processor = {processor}.from_pretrained(" in text
+    if arch != "bert":
+        assert "tokenizer(" not in text and "text-classification" not in text
+    for section in ("## Intended use", "## Limitations", "## Training data"):
+        assert section in text
+
+
+def test_license_and_base_model_come_from_the_backbones_card(tmp_path):
+    head = HeadConfig("sentiment", num_outputs=2, pred_for_sequence=True, pooling="mean")
+    load_headed(str(minilm_path()), head_configs=[head]).save_pretrained(tmp_path / "a")
+    meta = front_matter(tmp_path / "a")  # the packaged MiniLM's README says apache-2.0
+    assert meta["license"] == "apache-2.0"
+    assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert (
+        "License (from the base model's card): `apache-2.0`" in (tmp_path / "a" / CARD).read_text()
+    )
+    base = tmp_path / "base"
+    build_tiny("bert", num_layers=2).save_pretrained(base)
+    (base / CARD).write_text("---\nlicense: mit\n---\n# a model\n")
+    load_headed(str(base), head_configs=[head]).save_pretrained(tmp_path / "b")
+    assert front_matter(tmp_path / "b")["license"] == "mit"
+    (base / CARD).write_text("no front matter\n")
+    load_headed(str(base), head_configs=[head]).save_pretrained(tmp_path / "c")
+    assert "license" not in front_matter(tmp_path / "c")

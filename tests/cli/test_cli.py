@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch.nn.functional as F
+import yaml
 from tiny_text import planted_texts, save_tiny_text_model, tagged_sentences
 from transformers.utils import logging as hf_logging
 
@@ -261,11 +262,23 @@ def test_train_eval_predict(model_dir, reviews, tmp_path, capsys) -> None:
     heads = json.loads((ckpt / "head_configs.json").read_text())["heads"]
     sentiment = next(h for h in heads if h["name"] == "sentiment")
     assert sentiment["num_outputs"] == 2 and sentiment["extra"]["classes"] == ["neg", "pos"]
+    # the card records the held-out metrics, on which data, as text and as model-index
+    card = (ckpt / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    (index,) = meta["model-index"]
+    results = {r["task"]["name"]: r for r in index["results"]}
+    assert results["sentiment"]["task"]["type"] == "text-classification"
+    assert results["sentiment"]["dataset"]["name"] == str(reviews["test"])
+    accuracy = {m["type"]: m["value"] for m in results["sentiment"]["metrics"]}["accuracy"]
+    assert "accuracy" in meta["metrics"] and "r2" in meta["metrics"]
+    assert f"| sentiment | accuracy | {accuracy:.4f} |" in card
+    assert f"Trained on `{reviews['train']}`" in card.replace("\\", "")
 
     args = ["eval", str(ckpt), "--data", str(reviews["test"])]
     assert main([*args, "--output", str(tmp_path / "m.json"), "--quiet"]) == 0
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["sentiment"]["accuracy"] > 0.8  # "good" in the text, on the embeddings
+    assert metrics["sentiment"]["accuracy"] == pytest.approx(accuracy)  # what the card says
     assert {"mse", "mae", "r2"} <= set(metrics["goods"])
 
     out = tmp_path / "pred.csv"

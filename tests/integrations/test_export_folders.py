@@ -54,7 +54,8 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(model, tmp_path):
     out = tmp_path / "hf"
     headkit.export(model, out, "transformers", tokenizer=False)
     described = json.loads((out / HF_SIDECAR).read_text())
-    assert set(described["files_sha256"]) == {"config.json", "model.safetensors"}
+    # the export's card is a file headkit wrote too: proven by its checksum like the weights
+    assert set(described["files_sha256"]) == {"config.json", "model.safetensors", "README.md"}
     with pytest.raises(ConfigError, match="pass overwrite=True"):
         headkit.export(model, out, "transformers", tokenizer=False)
     headkit.export(model, out, "transformers", tokenizer=False, overwrite=True)

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import yaml
 from conftest import build_tiny
 from transformers import (
     AutoModel,
@@ -121,6 +122,19 @@ def test_minilm_pooler_head_in_a_text_classification_pipeline(tmp_path, minilm_t
         assert set(scores) == {"rotten", "fresh"}
         assert scores["fresh"] == pytest.approx(float(p[1]), abs=1e-5)
     assert result.auto_class == "AutoModelForSequenceClassification"
+    # the export carries its own card: a transformers model, its pipeline, the base model
+    card = (tmp_path / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-classification"
+    assert meta["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert meta["license"] == "apache-2.0"
+    assert "AutoModelForSequenceClassification.from_pretrained(" in card
+    assert "## Intended use" in card and "## Limitations" in card
+    # a card the user edits is theirs: a later export neither replaces nor deletes it
+    (tmp_path / "README.md").write_text(card + "\nMy notes.\n")
+    export_transformers(model, tmp_path, tokenizer=minilm_tokenizer, overwrite=True)
+    assert (tmp_path / "README.md").read_text().endswith("My notes.\n")
+    assert "card_sha256" not in json.loads((tmp_path / SIDECAR).read_text())
 
 
 def test_one_head_of_several_is_exported_when_named(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from onnx_checks import check_cut, compare_with_eager, padded
 from transformers import AutoModel, AutoTokenizer
 
@@ -58,6 +59,15 @@ def test_the_graph_keeps_blocks_0_to_2_and_takes_token_types(exported):
     check_cut(model, result.graph, 3)
     assert result.description["backbone"]["num_layers"] == 6
     assert max(result.max_abs_diff.values()) <= 1e-4
+
+
+def test_the_export_has_a_card_naming_its_heads_and_how_to_run_it(exported):
+    _, _, folder = exported
+    card = (folder / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["library_name"] == "onnx" and meta["pipeline_tag"] == "text-classification"
+    assert meta["tags"] == ["headkit", "onnx", "text-classification", "token-classification"]
+    assert "ort.InferenceSession(" in card and "sentiment, chunks, nli, ner" in card
 
 
 def test_real_text_through_the_saved_tokenizer_padded_on_either_side(exported):

@@ -167,6 +167,10 @@ def test_save_model_writes_a_headkit_checkpoint(tmp_path: Path) -> None:
     assert f"| sent | loss | {logged['eval_sent_loss']:.4f} |" in card
     final = tmp_path / "final"
     trainer.save_model(str(final))
+    # the final model's card too: the last evaluation, the training settings, model-index
+    card = (final / "README.md").read_text()
+    assert f"| sent | loss | {logged['eval_sent_loss']:.4f} |" in card
+    assert "| learning_rate | 0.05 |" in card and "model-index:" in card
     for folder in (final, tmp_path / "run" / "checkpoint-2"):
         manifest = json.loads((folder / "head_configs.json").read_text())
         assert manifest["format"] == "headkit"
