@@ -63,6 +63,10 @@ _LAZY: dict[str, str] = {
     "shard": "distributed.sharding",
     "to_sentence_transformer": "integrations.sentence_transformers",
     "train_heads_on_features": "features",
+    "PreferenceCollator": "data.preferences",
+    "preference_labels": "losses.pairwise",
+    "step_scores": "data.stepwise",
+    "step_end_scores": "data.stepwise",
 }
 
 #: Importable by name but left out of ``__all__``: HeadedTrainer (importing it imports
@@ -124,6 +128,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names
     from .compat.helpers import print_trainable_parameters as print_trainable_parameters
     from .config import HeadConfig as HeadConfig
     from .data.collator import HeadedCollator as HeadedCollator
+    from .data.preferences import PreferenceCollator as PreferenceCollator
+    from .data.stepwise import step_end_scores as step_end_scores
+    from .data.stepwise import step_scores as step_scores
     from .deploy import export as export
     from .distributed.sharding import shard as shard
     from .errors import BatchError as BatchError
@@ -151,6 +158,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names
     from .integrations.trainer import HeadedTrainer as HeadedTrainer
     from .losses.objective import LOSSES as LOSSES
     from .losses.objective import LossSpec as LossSpec
+    from .losses.pairwise import preference_labels as preference_labels
     from .losses.weighting import WEIGHTINGS as WEIGHTINGS
     from .losses.weighting import LossWeighting as LossWeighting
     from .metrics import HeadwiseMetrics as HeadwiseMetrics

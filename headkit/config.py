@@ -77,6 +77,11 @@ class HeadConfig:
     a binary head or a two-class classifier (None: the loss's default / the argmax). Both are
     saved with the head; ``predict`` and the metrics use them; training ignores them.
 
+    Reward heads: a pairwise loss (``loss_fct="bradley_terry"``) needs a sequence head with
+    one output; ``center_rewards_coefficient`` (TRL ``RewardConfig``'s option of that name,
+    a number >= 0 or None) adds ``coefficient * mean((r_chosen + r_rejected) ** 2)`` to its
+    loss, keeping rewards centred on zero (docs/rewards.md).
+
     ``name`` is any non-empty string without '.' (also "type", "keys", "my-head").
     NumPy scalars are stored as the Python numbers they hold; ``extra`` must hold JSON values
     (NumPy scalars converted, tuples become lists), so every config saves as JSON.
@@ -112,6 +117,7 @@ class HeadConfig:
     loss_options: dict[str, float] = field(default_factory=dict)
     temperature: float = 1.0
     threshold: float | None = None
+    center_rewards_coefficient: float | None = None
 
     def __post_init__(self) -> None:
         self._as_python_values()
@@ -255,6 +261,7 @@ class HeadConfig:
             )
 
     def _validate_loss(self) -> None:
+        self._validate_pairwise()
         if self.loss_fct is None:
             return
         if self.loss_fct not in LOSSES:
@@ -363,6 +370,39 @@ class HeadConfig:
                 "num_outputs", None, "class_weights='balanced' needs num_outputs (the classes)"
             )
         return self.replace(class_weights=balanced_class_weights(labels, self.num_outputs))
+
+    def _validate_pairwise(self) -> None:
+        """A pairwise loss scores one number per sequence; centering needs a pairwise loss."""
+        spec = LOSSES.get(self.loss_fct) if self.loss_fct in LOSSES else None
+        pairwise = spec is not None and spec.pairwise
+        c = self.center_rewards_coefficient
+        if c is not None:
+            if not _is_real(c) or not math.isfinite(c) or c < 0:
+                raise self._bad(
+                    "center_rewards_coefficient", c, "expected a finite number >= 0 or None"
+                )
+            if not pairwise:
+                raise self._bad(
+                    "center_rewards_coefficient",
+                    c,
+                    f"it applies to pairwise losses (loss_fct='bradley_terry'), not "
+                    f"loss_fct={self.loss_fct!r}",
+                )
+            self.center_rewards_coefficient = float(c)
+        if not pairwise:
+            return
+        if not self.pred_for_sequence:
+            raise self._bad(
+                "loss_fct",
+                self.loss_fct,
+                "a pairwise loss scores whole sequences: set pred_for_sequence=True",
+            )
+        if self.num_outputs not in (None, 1):
+            raise self._bad(
+                "num_outputs",
+                self.num_outputs,
+                f"loss_fct={self.loss_fct!r} scores each sequence with one number: num_outputs=1",
+            )
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:

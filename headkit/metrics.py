@@ -5,7 +5,10 @@ shifted cross-entropy, as the head's loss computes it); regression heads → ``m
 ``r2`` (averaged over outputs, as sklearn's ``multioutput="uniform_average"``); binary heads
 (``bce``/``bce_with_logits``) → element-wise ``accuracy`` and ``macro_f1`` (the positive-class
 F1 averaged over outputs); other heads → ``accuracy`` and ``macro_f1`` over the classes that
-occur in labels or predictions (sklearn's ``average="macro"``).
+occur in labels or predictions (sklearn's ``average="macro"``); pairwise (reward) heads
+(``bradley_terry``) → ``pairwise_accuracy`` (the share of pairs whose chosen text scores
+strictly higher, as TRL's ``accuracy``) and ``mean_margin`` (the mean of r_chosen -
+r_rejected, TRL's ``margin``), over the pairs of each batch (``losses/pairwise.py``).
 
 Label value -100 never counts (it marks ignored and padded positions; the collator and
 Trainer pad with it), and with an attention mask neither do padded tokens of heads with
@@ -33,6 +36,7 @@ from .losses.objective import (
     fit_labels,
     label_rule,
 )
+from .losses.pairwise import pair_scores
 from .model.labels import keep_model_columns, loss_heads, route_labels, without_unused_labels
 
 
@@ -55,6 +59,8 @@ class HeadMetric:
             # batch with Chan's parallel update: stable for labels with a large offset),
             # sum of squared errors, sum of absolute errors
             self.sums = np.zeros((n, 5), dtype=np.float64)
+        elif self.kind == "pairwise":
+            self.pairs, self.correct, self.margin_sum = 0, 0, 0.0
         else:
             self.nll = 0.0
             self.tokens = 0
@@ -64,6 +70,12 @@ class HeadMetric:
         """Add one batch. ``attention_mask`` (batch, seq) masks padded tokens."""
         p = _tensor(preds)
         y = fit_labels(self.cfg, p, _tensor(labels))
+        if self.kind == "pairwise":
+            chosen, rejected, _ = pair_scores(p.double(), y.double(), f"head {self.cfg.name!r}")
+            self.pairs += int(chosen.numel())
+            self.correct += int((chosen > rejected).sum())
+            self.margin_sum += float((chosen - rejected).sum())
+            return self
         mask = None if attention_mask is None else _tensor(attention_mask)
         p, y, valid = counted_positions(self.cfg, p, y, mask)
         if self.rule.classes:
@@ -142,6 +154,13 @@ class HeadMetric:
             denom = 2 * tp + fp + fn
             f1 = np.where(denom > 0, 2 * tp / np.maximum(denom, 1), 0.0)
             return {"accuracy": float((tp + tn).sum() / total), "macro_f1": float(f1.mean())}
+        if self.kind == "pairwise":
+            if self.pairs == 0:
+                return {}
+            return {
+                "pairwise_accuracy": self.correct / self.pairs,
+                "mean_margin": self.margin_sum / self.pairs,
+            }
         if self.kind == "regression":
             n, _, ss_tot, see, sae = (self.sums[:, j] for j in range(5))
             cols = n > 0
@@ -354,6 +373,7 @@ def evaluation_batches(
 
             collator = HeadedCollator(model)
         own = getattr(getattr(model, "info", None), "extra_inputs", ())
+        own = (*own, *getattr(collator, "columns", ()))  # e.g. PreferenceCollator's pairs
         data = keep_model_columns(data, model.head_configs, "evaluate_head_wise", own)
         loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=collator)
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:

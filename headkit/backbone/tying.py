@@ -50,7 +50,9 @@ def init_lm_head(
     head gets a copy (and the bias, or zeros). What the task model adds around its LM head is
     folded in (``modalities.lm_logits_rule``): T5's scaling of the states into the weight,
     BART's ``final_logits_bias`` into the head's bias (a head without one warns when it is
-    not zero).
+    not zero). A frozen head (``trainable=False``) takes the LM head's dtype, so that in
+    bfloat16 or float16 its logits are the task model's own; a trainable one keeps its
+    parameters' (float32 unless the model was converted).
     """
     cfg = configs.get("lm_head")
     if cfg is None or not cfg.is_causal_lm:
@@ -60,6 +62,8 @@ def init_lm_head(
     out = task_model.get_output_embeddings()
     if lin is None or not isinstance(out, nn.Linear) or out.weight.shape != lin.weight.shape:
         return
+    if not cfg.trainable:  # a frozen head computes as the task model does: in its dtype
+        head.to(out.weight.dtype)
     emb = input_embedding_weight(backbone)
     scale, extra_bias = lm_logits_rule(task_model)
     same_dtype = lin.bias is None or lin.bias.dtype == out.weight.dtype

@@ -92,6 +92,8 @@ def read_settings(root: Path) -> dict[str, Any]:
             ),
             "a mapping {head target: column}",
         ),
+        "format": (lambda v: v in ("pairs", "steps"), "'pairs' or 'steps' (reward data)"),
+        "step_separator": (lambda v: isinstance(v, str), "a text"),
         "max_length": (
             lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
             "an integer >= 1",

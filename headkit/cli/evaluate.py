@@ -89,6 +89,30 @@ def run_eval(
 
         opened = open_checkpoint(checkpoint)
     settings = read_settings(Path(checkpoint))  # the columns first: before torch is imported
+    max_length = settings.get("max_length", 128)
+    if label_columns is None and (settings.get("format") or not settings.get("label_columns")):
+        # reward data, or no recorded label columns: the heads tell the data's format
+        from ..metrics import evaluate_head_wise
+        from .checkpoints import open_checkpoint
+        from .rewards import collator_for, data_format, encode_reward_rows
+
+        rows = read_rows(data, limit, encoding)
+        opened = opened or open_checkpoint(checkpoint, model)
+        model, tokenizer, _ = opened
+        if device is not None:  # --device (the batches follow the model)
+            from .options import resolve_device
+
+            model.to(resolve_device(device))
+        kind = data_format(model.head_configs, list(rows[0]))
+        if kind is not None:  # reward data: pairwise_accuracy, or the PRM's step accuracy
+            separator = settings.get("step_separator", "\n")
+            examples, _ = encode_reward_rows(
+                rows, tokenizer, model.head_configs, kind, max_length, separator
+            )
+            collate = collator_for(model, tokenizer, kind)
+            return evaluate_head_wise(
+                model, examples, collate, batch_size=batch_size, progress=progress
+            )
     text_column = text_column or settings.get("text_column", "text")
     label_columns = label_columns or settings.get("label_columns")
     if not label_columns:
@@ -109,7 +133,6 @@ def run_eval(
 
         model.to(resolve_device(device))
     configs = list(model.head_configs.values())
-    max_length = settings.get("max_length", 128)
     examples, _ = encode_rows(rows, tokenizer, configs, text_column, label_columns, max_length)
     return evaluate_head_wise(model, examples, batch_size=batch_size, progress=progress)
 

@@ -77,12 +77,15 @@ def fit_heads(
     examples: list[dict],
     training: dict[str, Any],
     progress: bool = True,
+    collator: Any = None,
     output: str | Path | None = None,
     resume: bool = False,
 ) -> Fit:
     """Train ``model`` on ``examples`` with the settings of a train config's ``training``
-    section. ``output``: the checkpoint folder, where the training state and logs go (None:
-    neither); ``resume``: continue from the state there."""
+    section. ``collator`` (default ``HeadedCollator``) batches the examples; with one, they
+    train through the model (a ``PreferenceCollator``'s pairs cannot be cached: rows would be
+    shuffled apart). ``output``: the checkpoint folder, where the training state and logs go
+    (None: neither); ``resume``: continue from the state there."""
     train_rows, val_rows = validation_split(
         len(examples), training["validation_fraction"], training["seed"]
     )
@@ -105,6 +108,7 @@ def fit_heads(
         scaler = torch.amp.GradScaler(model.device.type)
     steps = OptimizerSteps(opt, scheduler, training.get("max_grad_norm"), accumulation, scaler)
     cached = training["use_cached_features"] in (True, "auto") and training["freeze_backbone"]
+    cached = cached and collator is None
     if cached:
         with _autocast(model, precision):
             feats = cache_features(model, train_set, batch_size=size, progress=progress)
@@ -121,7 +125,7 @@ def fit_heads(
         validate = (lambda: cached_scores(model, val_feats)) if val_feats is not None else None
     else:
         epoch, validate = _full_epochs(
-            model, tokenizer, train_set, val_set, training, steps, precision
+            model, tokenizer, train_set, val_set, training, steps, precision, collator
         )
     state = TrainingState(Path(output) / STATE_FOLDER, model, steps) if output else None
     logger = EpochLog(Path(output) / LOG_FOLDER, training.get("report_to", [])) if output else None
@@ -323,6 +327,7 @@ def _full_epochs(
     training: dict[str, Any],
     steps: OptimizerSteps,
     precision: torch.dtype | None,
+    collator: Any = None,
 ) -> tuple[Callable[[int], float], Callable[[], dict[str, float]] | None]:
     """(one epoch, the validation scores) through the whole model (the backbone trains unless
     frozen)."""
@@ -331,7 +336,7 @@ def _full_epochs(
     from ..metrics import evaluate_head_wise
 
     torch.manual_seed(training["seed"])
-    collate = HeadedCollator(model, tokenizer)
+    collate = collator or HeadedCollator(model, tokenizer)
     size = training["batch_size"]
 
     def epoch(e: int) -> float:
@@ -350,7 +355,20 @@ def _full_epochs(
             total, n = total + float(out.loss.detach()), n + 1
         return total / max(n, 1)
 
+    @torch.no_grad()
+    def pair_loss() -> dict[str, float]:  # reward pairs: the loss alone (rows are pairs)
+        model.eval()
+        total = 0.0
+        for start in range(0, len(val_set), size):
+            chunk = val_set[start : start + size]
+            with _autocast(model, precision):
+                out = model(**batch_to_device(collate(chunk), model.device))
+            total += float(out.loss) * len(chunk)
+        return {"loss": total / len(val_set)}
+
     def validate() -> dict[str, float]:
+        if collator is not None:
+            return pair_loss()
         with _autocast(model, precision):
             per_head = evaluate_head_wise(model, val_set, collate, batch_size=size, progress=False)
         scores = {f"{h}_{m}": v for h, ms in per_head.items() for m, v in ms.items()}

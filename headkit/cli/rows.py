@@ -138,11 +138,12 @@ def readable(name: str, cfg: HeadConfig, p: torch.Tensor) -> dict[str, Any]:
 
     Classifiers give the class and its probability (sequence heads also every class's, as
     ``<name>_prob_<class>``), binary heads the 0/1 decision and the probability, regressors
-    the value(s); probabilities and decisions follow the head's calibration (``temperature``,
-    ``threshold``: ``losses.objective.probabilities`` / ``decisions``).
+    and reward heads (pairwise) the value(s); probabilities and decisions follow the head's
+    calibration (``temperature``, ``threshold``: ``losses.objective.probabilities`` /
+    ``decisions``).
     """
     task = cfg.task
-    if task == "regression":
+    if task in ("regression", "pairwise"):
         values = p[..., 0] if p.shape[-1] == 1 else p
         return {name: values.tolist()}
     if task == "binary":  # the head's calibration (temperature, threshold) applies

@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> None:
             f"calibrated {name} on validation: temperature {got.temperature:.3f}{cut} "
             f"(NLL {got.nll_before:.4f} -> {got.nll_after:.4f})"
         )
+    if result.get("dropped"):
+        print(f"dropped {result['dropped']} pairs longer than training.max_length (as TRL does)")
     if "metrics" in result:
         print("held-out metrics (data.eval):")
         print(metrics_table(result["metrics"]))
@@ -248,9 +250,11 @@ def run_train(
     check_output(config, overwrite or resume)
     data, training = config["data"], config["training"]
     rows = read_rows(data["train"], data["limit"], data["encoding"])
-    labelled = {f"data.label_columns.{t}": c for t, c in data["label_columns"].items()}
-    require_columns(rows, {"data.text_column": data["text_column"], **labelled}, data["train"])
-    require_labels(rows, labelled, data["train"])
+    if data["label_columns"]:  # a table of texts and labels: checked before torch is imported
+        labelled = {f"data.label_columns.{t}": c for t, c in data["label_columns"].items()}
+        columns = {"data.text_column": data["text_column"], **labelled}
+        require_columns(rows, columns, data["train"])
+        require_labels(rows, labelled, data["train"])
     config = {**config, "heads": head_configs(config["heads"])}
     # torch and transformers only now: the config, the output and the columns were checked
     import torch
@@ -261,9 +265,18 @@ def run_train(
     from .evaluate import run_eval
     from .fitting import TrainingState, fit_heads
     from .options import resolve_device
+    from .rewards import collator_for, data_format, encode_reward_rows
     from .rows import encode_rows, with_classes
 
-    heads = with_classes(config["heads"], rows, data["label_columns"], "data.label_columns")
+    heads = config["heads"]
+    kind = data_format({h.name: h for h in heads}, list(rows[0]))  # reward data?
+    if kind is None:
+        if not data["label_columns"]:
+            raise ConfigError(
+                f"{config.get('config', 'the config')}: key 'data.label_columns' is missing; a "
+                "non-empty mapping {head target: column} (or reward data: docs/rewards.md)"
+            )
+        heads = with_classes(heads, rows, data["label_columns"], "data.label_columns")
     path, kwargs = resolve_model(config["model"], config["model_kwargs"])
     torch.manual_seed(training["seed"])  # the heads' initial weights
     freeze = training["freeze_backbone"]
@@ -271,15 +284,44 @@ def run_train(
     model.to(resolve_device(device))  # --device: the batches follow the model
     tokenizer = load_tokenizer(config["model"], config["model_kwargs"])
     configs = list(model.head_configs.values())
-    examples, _ = encode_rows(
-        rows, tokenizer, configs, data["text_column"], data["label_columns"], training["max_length"]
+    dropped = 0
+    if kind is None:
+        examples, _ = encode_rows(
+            rows,
+            tokenizer,
+            configs,
+            data["text_column"],
+            data["label_columns"],
+            training["max_length"],
+        )
+    else:
+        examples, dropped = encode_reward_rows(
+            rows,
+            tokenizer,
+            model.head_configs,
+            kind,
+            training["max_length"],
+            data["step_separator"],
+        )
+    collator = collator_for(model, tokenizer, kind)
+    if kind is None:
+        _balanced_weights(model, examples)
+    fit = fit_heads(
+        model,
+        tokenizer,
+        examples,
+        training,
+        progress,
+        collator,
+        output=config["output"],
+        resume=resume,
     )
-    _balanced_weights(model, examples)
-    fit = fit_heads(model, tokenizer, examples, training, progress, config["output"], resume)
-    calibration = _calibrate(model, tokenizer, examples, training)
-    settings = {k: data[k] for k in ("text_column", "label_columns")}
+    calibration = _calibrate(model, tokenizer, examples, training) if kind is None else {}
+    settings = {k: data[k] for k in ("text_column", "label_columns") if data[k] is not None}
     settings["max_length"] = training["max_length"]
     settings["data"] = {"train": data["train"], "eval": data["eval"]}  # for the model card
+    if kind is not None:
+        settings.update(format=kind, step_separator=data["step_separator"])
     out = save_trained(model, tokenizer, config["output"], settings)
     TrainingState(out / STATE_FOLDER, model, None).remove()  # the checkpoint supersedes it
     result: dict[str, Any] = {
@@ -292,6 +334,7 @@ def run_train(
         "stopped_early": fit.stopped_early,
         "warning": _still_falling(fit, training),
         "checkpoint": str(out),
+        "dropped": dropped,
     }
     if result["warning"]:
         warnings.warn(result["warning"], LossStillFallingWarning, stacklevel=2)

@@ -78,7 +78,8 @@ class DataSection(_Section):
     train: str
     eval: str | None = None
     text_column: str = "text"
-    label_columns: Annotated[dict[str, str], Field(min_length=1)]
+    label_columns: Annotated[dict[str, str], Field(min_length=1)] | None = None
+    step_separator: str = "\n"
     limit: Positive | None = None
     encoding: str | None = None
 
@@ -144,7 +145,10 @@ _ALLOWED = {
     "model": "a folder, a hub id, packaged:minilm or packaged:smollm2",
     "model_kwargs": "a mapping of from_pretrained arguments",
     "heads": "a non-empty list of HeadConfig field mappings",
-    "data": "a mapping with train, label_columns and optional eval, text_column, limit, encoding",
+    "data": (
+        "a mapping with train, label_columns (not for reward data) and optional eval, "
+        "text_column, limit, encoding, step_separator"
+    ),
     "training": "a mapping (see docs/cli.md)",
     "output": "a folder path",
     "model_kwargs.torch_dtype": ", ".join(DTYPES),
@@ -153,6 +157,7 @@ _ALLOWED = {
     "data.eval": "a data file path, or leave it out",
     "data.text_column": "a column name",
     "data.label_columns": "a non-empty mapping {head target: column}",
+    "data.step_separator": "the text between the steps of stepwise data (TRL's, default a newline)",
     "data.limit": "an integer >= 1 (rows to read), or leave it out",
     "data.encoding": "a text encoding name (utf-8, latin-1, ...), or leave it out",
     "training.epochs": "an integer >= 1, or auto",

@@ -1,7 +1,7 @@
 """Training and predicting heads on cached features (no backbone forward at all).
 
 Each step computes exactly what ``HeadedModel.forward`` would: the heads' ``from_features``
-(or their trainable pooling on the stored token states), ``head_loss`` per head, then
+(or their trainable pooling on the stored token states), ``head_losses`` of the heads, then
 ``model.combine_losses``.
 """
 
@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ..backbone.fingerprint import tensors_fingerprint
 from ..errors import ConfigError
-from ..losses.objective import head_loss, label_rule
+from ..losses.objective import head_losses, label_rule
 from ..model.headed import HeadedModel
 from .caching import _backbone_meta, _plan_heads, check_frozen
 from .storage import CachedFeatures
@@ -36,7 +36,7 @@ def train_heads_on_features(
 ) -> list[float]:
     """Train the heads on cached features; return the mean total loss of each epoch.
 
-    Each step computes exactly what ``HeadedModel.forward`` would (``head_loss`` per head,
+    Each step computes exactly what ``HeadedModel.forward`` would (``head_losses`` of the heads,
     then ``model.combine_losses``), with the heads in train mode (dropout active). Epoch e
     visits rows in the order ``torch.randperm(n, generator=g)`` (its e-th call) with ``g``
     seeded once by ``seed``, in consecutive batches; ``torch.manual_seed(seed)`` is set
@@ -229,6 +229,12 @@ def _training_plan(model: HeadedModel, features: CachedFeatures) -> dict[str, An
     plan = {}
     for name in names:
         cfg = model.head_configs[name]
+        if label_rule(cfg).task == "pairwise":
+            raise ConfigError(
+                f"head {name!r} has loss_fct={cfg.loss_fct!r}: its pairs are rows of one batch, "
+                "and training on cached features shuffles rows; train it through the model "
+                "(HeadedTrainer or forward, docs/rewards.md)"
+            )
         if label_rule(cfg).layout == "token":
             # Rebuilt batches pad on the right, and caching checked that padding never counted
             # in this head's loss: ignoring padding gives the same loss as the original batches.
@@ -250,9 +256,9 @@ def _head_preds(
 def _batch_loss(
     model: HeadedModel, plan: dict[str, Any], batch: dict[str, Any]
 ) -> torch.Tensor | None:
-    losses = {}
-    for name, (cfg, info) in plan.items():
-        p = _head_preds(model, name, info, batch)
-        losses[name] = head_loss(cfg, p, batch["labels"][cfg.target], batch["mask"])
+    configs = {name: cfg for name, (cfg, _) in plan.items()}
+    preds = {name: _head_preds(model, name, info, batch) for name, (_, info) in plan.items()}
+    masks = dict.fromkeys(plan, batch["mask"])
+    losses = head_losses(configs, preds, batch["labels"], masks)
     total, _ = model.combine_losses(losses)
     return total

@@ -484,7 +484,8 @@ def _finish(
         position = None if last_pos is None else last_pos + 1
         driver(**driver.final_inputs(last, seen, out.cache, position))
     elif N > 0:  # no head needs the last token's states: only its log-probability
-        rec.logprobs[total - 1] = rec.logprob_of(last)
+        rec.choose(total - 1, last)
+    rec.flush()
     headed = driver._headed
     shift = 1 if at == "step" else 0  # "step": entry t read one position earlier
     head_outputs = {

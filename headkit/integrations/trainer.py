@@ -2,13 +2,17 @@
 
 The vanilla ``transformers.Trainer`` works with a HeadedModel and ``HeadedCollator``:
 
-* ``model.forward``'s signature lists every head target, so ``remove_unused_columns`` keeps
-  the label columns (``HeadedTrainer`` does not rely on it: it asks the heads which columns
-  the model reads, ``_set_signature_columns_if_needed``);
+* ``remove_unused_columns`` keeps the columns named in ``HeadedModel.forward``'s signature
+  (the class's: the text inputs and ``labels``) and ``label``/``label_ids``, so one head
+  learning from a ``label`` column trains with the defaults; the heads' target columns are
+  not in it, so with several heads pass ``remove_unused_columns=False`` or use
+  ``HeadedTrainer``, which asks the heads which columns the model reads
+  (``_set_signature_columns_if_needed``). A training forward that gets no label at all says
+  so once (``labels.say_no_targets``) before Trainer's "did not return a loss";
 * the collator puts labels under ``batch["labels"]`` (a ``{target: tensor}`` dict, or for a
   model with one head that has a loss, that head's tensor, as ``DataCollatorWithPadding``
-  makes it). Trainer finds ``**labels`` in ``forward``'s signature, takes ``"labels"`` as
-  its label key, and so computes ``eval_loss``; HeadedModel routes it (``labels.py``);
+  makes it). Trainer finds ``labels`` in ``forward``'s signature, takes it as its label
+  key, and so computes ``eval_loss``; HeadedModel routes it (``labels.py``);
 * the output's first field after ``loss`` is ``logits`` (the one trained head's predictions,
   else ``{head: predictions}``) and the per-head dicts are listed in the backbone config's
   ``keys_to_ignore_at_inference``, so ``compute_metrics`` gets
@@ -35,7 +39,16 @@ What the vanilla Trainer cannot do, and ``HeadedTrainer`` (a thin subclass) adds
   ``{target: array}`` (one array each for a model with one trained head), and heads missing
   from some batches' labels still concatenate;
 * a training batch whose every loss was left out (``nonfinite_loss="skip"``) is skipped
-  (no update) and counted in the logs as ``skipped_batches``.
+  (no update) and counted in the logs as ``skipped_batches``;
+* TRL's reward data trains reward heads as ``RewardTrainer`` / ``PRMTrainer`` would
+  (``docs/rewards.md``): a dataset of preference pairs (``chosen`` / ``rejected``, texts or
+  conversations, or tokenised) is tokenised as RewardTrainer does (``data/preferences.py``)
+  and batched by ``PreferenceCollator``; stepwise supervision (``prompt``, ``completions``,
+  ``labels``) as PRMTrainer does (``data/stepwise.py``), for the model's token head. TRL's own
+  ``RewardConfig`` / ``PRMConfig`` may be passed as ``args``: their ``max_length``,
+  ``step_separator``, ``max_completion_length`` and ``train_on_last_step_only`` are read
+  (plain ``TrainingArguments``: no length limit, separator "\\n"), and their
+  ``disable_dropout=True`` (TRL's default) sets every dropout of the model to 0, as TRL does.
 
 Under ``torchrun`` Trainer runs DDP itself; only rank 0 writes checkpoints. With
 ``TrainingArguments(fsdp=...)`` (accelerate's FSDP: CUDA and other accelerators; on the CPU
@@ -45,6 +58,7 @@ Trainer gathers.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import warnings
@@ -58,6 +72,14 @@ from transformers import Trainer, TrainerCallback
 from ..checkpoint import MANIFEST, restore
 from ..checkpoint.card import refresh_card, trainer_metrics
 from ..data.collator import HeadedCollator
+from ..data.preferences import (
+    PreferenceCollator,
+    has_texts,
+    is_preference_data,
+    pair_columns,
+    tokenize_preferences,
+)
+from ..data.stepwise import STEP_SEPARATOR, is_stepwise_data, step_head, tokenize_stepwise
 from ..distributed.parallel import drop_idle_gradients, join_idle
 from ..distributed.sharding import is_sharded, plain_parameters
 from ..errors import ConfigError
@@ -92,11 +114,29 @@ class HeadedTrainer(Trainer):
                 f"HeadedTrainer: model={type(model).__name__} is invalid; a HeadedModel "
                 "(use transformers.Trainer for other models)"
             )
+        # Trainer's positional order: train_dataset, eval_dataset, processing_class, ...
+        names = list(inspect.signature(Trainer.__init__).parameters)[4 : 4 + len(rest)]
+        twice = sorted(set(names) & set(kwargs))
+        if twice:
+            raise TypeError(f"HeadedTrainer got multiple values for argument(s) {twice}")
+        kwargs = {**dict(zip(names, rest)), **kwargs}
+        tokenizer = kwargs.get("processing_class")
+        self._reward_data: str | None = None
+        self._pair_columns: list[str] = []
+        for key, is_eval in (("train_dataset", False), ("eval_dataset", True)):
+            if kwargs.get(key) is not None:
+                kwargs[key] = self._reward_dataset(kwargs[key], model, tokenizer, args, is_eval)
+        _check_centering(model.head_configs, getattr(args, "center_rewards_coefficient", None))
+        if getattr(args, "disable_dropout", False):  # TRL's RewardConfig / PRMConfig
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         if data_collator is None:
-            # Trainer's positional order: train_dataset, eval_dataset, processing_class, ...
-            tokenizer = kwargs.get("processing_class", rest[2] if len(rest) > 2 else None)
-            data_collator = HeadedCollator(model, tokenizer)
-        super().__init__(model, args, data_collator, *rest, **kwargs)
+            if self._reward_data == "pairs":
+                data_collator = PreferenceCollator(model, tokenizer)
+            else:
+                data_collator = HeadedCollator(model, tokenizer)
+        super().__init__(model, args, data_collator, **kwargs)
         if self.args.label_smoothing_factor:
             # Trainer would pop batch["labels"] and smooth outputs["logits"], which a
             # HeadedModel does not have: each head computes its own loss.
@@ -145,6 +185,70 @@ class HeadedTrainer(Trainer):
         )
         return self.optimizer
 
+    # ------------------------------------------------------------------ reward data
+    def _reward_dataset(
+        self, data: Any, model: Any, tokenizer: Any, args: Any, is_eval: bool
+    ) -> Any:
+        """TRL's preference or stepwise data tokenised as its trainers do; other data (and a
+        dict of eval datasets, each in turn) as it is."""
+        if isinstance(data, Mapping):
+            return {
+                k: self._reward_dataset(v, model, tokenizer, args, is_eval) for k, v in data.items()
+            }
+        columns = getattr(data, "column_names", None)
+        if columns is None and isinstance(data, list) and data and isinstance(data[0], Mapping):
+            columns = list(data[0])
+        if not columns:
+            return data
+        heads = model.head_configs
+        if is_preference_data(columns, heads):
+            kind = "pairs"
+        elif is_stepwise_data(columns):
+            kind = "steps"
+        else:
+            return data
+        if self._reward_data not in (None, kind):
+            raise ConfigError(
+                "HeadedTrainer: the train and eval datasets must both be preference pairs or "
+                "both stepwise supervision"
+            )
+        self._reward_data = kind
+        if tokenizer is None and (kind == "steps" or has_texts(heads, columns)):
+            raise ConfigError(
+                f"HeadedTrainer: {'preference' if kind == 'pairs' else 'stepwise'} data is "
+                "tokenised by the trainer: pass processing_class=tokenizer, as to TRL's trainers"
+            )
+        max_length = getattr(args, "max_length", None)
+        if kind == "pairs":
+            out = tokenize_preferences(data, tokenizer, heads, max_length=max_length)
+            self._pair_columns = pair_columns(heads, columns)
+            return out
+        return tokenize_stepwise(
+            data,
+            tokenizer,
+            heads[step_head(heads)].target,
+            is_eval=is_eval,
+            step_separator=getattr(args, "step_separator", STEP_SEPARATOR),
+            max_length=max_length,
+            max_completion_length=getattr(args, "max_completion_length", None),
+            train_on_last_step_only=getattr(args, "train_on_last_step_only", False),
+        )
+
+    def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Trainer's evaluate; TRL-format data passed here is tokenised as in ``__init__``."""
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = self._reward_dataset(
+                eval_dataset, self._headed(), self.processing_class, self.args, True
+            )
+        return super().evaluate(eval_dataset, *args, **kwargs)
+
+    def predict(self, test_dataset: Any, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's predict; TRL-format data is tokenised as in ``__init__``."""
+        test_dataset = self._reward_dataset(
+            test_dataset, self._headed(), self.processing_class, self.args, True
+        )
+        return super().predict(test_dataset, *args, **kwargs)
+
     # ------------------------------------------------------------------ training
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -156,6 +260,7 @@ class HeadedTrainer(Trainer):
             model = model.get_base_model() if hasattr(model, "get_base_model") else model
             own = getattr(getattr(model, "info", None), "extra_inputs", ())
             columns = model_columns(model.head_configs, own)
+            columns |= set(self._pair_columns)  # preference data: what PreferenceCollator reads
             self._signature_columns = sorted(columns | set(self.label_names or []))
 
     def compute_loss(
@@ -221,6 +326,8 @@ class HeadedTrainer(Trainer):
         preds = {k: v.detach() for k, v in out.preds_by_head.items()}
         if labels:
             labels = _fill_missing_labels(labels, preds, heads)
+        if self._reward_data == "pairs" and labels:
+            preds, labels = _pairs_by_example(preds, labels, heads)
         trained = loss_heads(heads)
         if len(trained) == 1:  # plain arrays, as for any transformers model
             target = heads[trained[0]].target
@@ -326,6 +433,55 @@ def _labels_of(inputs: Mapping[str, Any], heads: Mapping[str, Any]) -> dict[str,
     given = {k: v for k, v in inputs.items() if (k == "labels" or k in targets) and v is not None}
     routed = route_labels(heads, given)
     return {k: v for k, v in routed.items() if isinstance(v, torch.Tensor)}
+
+
+def _check_centering(heads: Mapping[str, Any], coefficient: float | None) -> None:
+    """TRL's ``RewardConfig(center_rewards_coefficient=...)`` given as ``args``: in headkit the
+    option is each reward head's (``HeadConfig``); refuse a value the heads do not have rather
+    than train without it."""
+    if coefficient is None:
+        return
+    differ = [
+        n
+        for n, c in heads.items()
+        if label_rule(c).task == "pairwise" and c.center_rewards_coefficient != coefficient
+    ]
+    if differ:
+        raise ConfigError(
+            f"HeadedTrainer: args.center_rewards_coefficient={coefficient} but reward head(s) "
+            f"{differ} have another; in headkit it is each head's option: "
+            f"HeadConfig(..., center_rewards_coefficient={coefficient})"
+        )
+
+
+def _pairs_by_example(
+    preds: dict[str, torch.Tensor], labels: dict[str, torch.Tensor], heads: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A ``PreferenceCollator`` batch's rows regrouped by example: (examples, rows of one
+    example, ...). Accelerate cuts the last evaluation batch to the examples the dataset has
+    left, counting the first dimension as examples; by example, whole pairs survive the cut.
+    The batch's layout (each source of pairs: n chosen rows, then n rejected rows) gives the
+    order; within an example, each source's chosen row comes before its rejected row, so the
+    k-th chosen still pairs with the k-th rejected once the rows are flattened again."""
+    pairwise = [c.target for c in heads.values() if label_rule(c).task == "pairwise"]
+    roles = next(labels[t] for t in pairwise if t in labels)
+    roles = roles[:, 0] if roles.dim() == 2 else roles
+    n = int((roles == 1).sum())
+    rows = roles.shape[0]
+    if n == 0 or rows % (2 * n):
+        return preds, labels
+    order = [
+        b * 2 * n + side * n + i
+        for i in range(n)
+        for b in range(rows // (2 * n))
+        for side in (0, 1)
+    ]
+    index = torch.tensor(order, device=roles.device)
+
+    def regroup(x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, index.to(x.device)).reshape(n, -1, *x.shape[1:])
+
+    return {k: regroup(v) for k, v in preds.items()}, {k: regroup(v) for k, v in labels.items()}
 
 
 def _fill_missing_labels(

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..errors import BatchError, ConfigError
 from ..registry import Registry
+from .pairwise import bradley_terry, centering, pair_scores
 
 if TYPE_CHECKING:
     from ..config import HeadConfig
@@ -52,11 +53,14 @@ class LossSpec:
     must be in [0, 1] (the head's output activation must give them). ``metric``: which
     metrics fit: "classification" (class indices, the default with ``classes``), else
     "regression" (the default) or "binary". ``threshold``: the decision threshold of binary
-    predictions. ``options``: the options ``fn`` takes as keywords and their defaults (a
-    head sets them in ``HeadConfig.loss_options``, e.g. focal's ``gamma``).
-    ``pos_weight``: ``fn`` takes ``pos_weight=`` (a tensor of one weight per output), which
-    ``HeadConfig.pos_weight`` sets. Class losses weigh each label by
-    ``HeadConfig.class_weights`` (the weighted mean, as ``cross_entropy(weight=)``).
+    predictions. ``zeroes_ignored`` (class losses): ``fn`` itself returns an exact 0 where the
+    label is -100 (as ``F.cross_entropy(..., ignore_index=-100)`` does), so the loss needs no
+    mask of its own (otherwise the skipped elements are set to 0 after ``fn``).
+    ``options``: the options ``fn`` takes as keywords and their defaults (a head sets them in
+    ``HeadConfig.loss_options``, e.g. focal's ``gamma``). ``pos_weight``: ``fn`` takes
+    ``pos_weight=`` (a tensor of one weight per output), which ``HeadConfig.pos_weight`` sets.
+    Class losses weigh each label by ``HeadConfig.class_weights`` (the weighted mean, as
+    ``cross_entropy(weight=)``).
     """
 
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,16 +70,29 @@ class LossSpec:
     needs_probabilities: bool = False
     metric: str | None = None
     threshold: float | None = None
+    zeroes_ignored: bool = False
+    pairwise: bool = False
     options: Mapping[str, float] = field(default_factory=dict)
     pos_weight: bool = False
 
     def __post_init__(self) -> None:
-        if self.metric is None:
-            object.__setattr__(self, "metric", "classification" if self.classes else "regression")
-        if self.metric not in ("classification", "binary", "regression"):
+        if self.zeroes_ignored and not self.classes:
             raise ConfigError(
-                f"LossSpec: metric={self.metric!r} is invalid; 'classification', 'binary' or "
-                "'regression'"
+                "LossSpec: zeroes_ignored=True is only read for class losses (classes=True); "
+                "a value loss's skipped elements are always masked"
+            )
+        if self.metric is None:
+            default = "pairwise" if self.pairwise else "regression"
+            object.__setattr__(self, "metric", "classification" if self.classes else default)
+        if self.metric not in ("classification", "binary", "regression", "pairwise"):
+            raise ConfigError(
+                f"LossSpec: metric={self.metric!r} is invalid; 'classification', 'binary', "
+                "'regression' or 'pairwise'"
+            )
+        if (self.metric == "pairwise") != self.pairwise or (self.pairwise and self.classes):
+            raise ConfigError(
+                f"LossSpec: metric={self.metric!r} does not fit pairwise={self.pairwise}, "
+                f"classes={self.classes}; a pairwise loss has metric 'pairwise' and classes=False"
             )
         if (self.metric == "classification") != self.classes:
             allowed = "'classification'" if self.classes else "'binary' or 'regression'"
@@ -94,6 +111,7 @@ LOSSES.register(
         lambda p, y: F.cross_entropy(p, y, reduction="none", ignore_index=IGNORE_INDEX),
         classes=True,
         ignores_minus_100=True,
+        zeroes_ignored=True,
     ),
 )
 LOSSES.register("mse", LossSpec(lambda p, y: F.mse_loss(p, y, reduction="none")))
@@ -138,7 +156,19 @@ def focal_loss(preds: torch.Tensor, labels: torch.Tensor, gamma: float = 2.0) ->
 
 LOSSES.register(
     "focal",
-    LossSpec(focal_loss, classes=True, ignores_minus_100=True, options={"gamma": 2.0}),
+    LossSpec(
+        focal_loss,
+        classes=True,
+        ignores_minus_100=True,
+        zeroes_ignored=True,
+        options={"gamma": 2.0},
+    ),
+)
+
+
+LOSSES.register(
+    "bradley_terry",
+    LossSpec(bradley_terry, ignores_minus_100=True, pairwise=True),
 )
 
 
@@ -148,12 +178,15 @@ def loss_spec(cfg: HeadConfig) -> LossSpec | None:
 
 
 def task_of(cfg: HeadConfig) -> str:
-    """ "lm", "regression", "binary" or "classification": which metrics the head gets."""
+    """ "lm", "regression", "binary", "classification" or "pairwise": which metrics the
+    head gets."""
     if cfg.is_causal_lm:
         return "lm"
+    spec = loss_spec(cfg)
+    if spec is not None and spec.pairwise:
+        return "pairwise"
     if cfg.is_regression:
         return "regression"
-    spec = loss_spec(cfg)
     return spec.metric if spec is not None else "classification"  # type: ignore[return-value]
 
 
@@ -295,6 +328,8 @@ def fit_labels(cfg: HeadConfig, preds: torch.Tensor, labels: torch.Tensor) -> to
     rule = label_rule(cfg)
     classes, sequence = rule.classes, rule.layout == "sequence"
     expected = [lead] if classes else [lead + (n_out,)] + ([lead] if n_out == 1 else [])
+    if rule.task == "pairwise":  # a role per row, or (role, margin): losses/pairwise.py
+        expected = [lead, lead + (1,), lead + (2,)]
     if tuple(labels.shape) not in expected:
         hint = ""
         if sequence and labels.dim() >= 2 and labels.shape[1] != n_out:
@@ -365,31 +400,170 @@ def head_loss(
 
     preds: (batch, n) for sequence heads, (batch, seq, n) otherwise. The loss is the mean over
     the label elements that count; when nothing counts it is an exact zero that still belongs
-    to the graph.
+    to the graph. (``count_labels`` then ``counted_loss``; ``head_losses`` shares the first
+    among heads.) A pairwise loss reads rows as pairs instead (``_pair_loss``).
     """
     spec: LossSpec = LOSSES.get(cfg.loss_fct)
+    if spec.pairwise:
+        labels = fit_labels(cfg, preds, labels_as_tensor(labels, preds.device, _where(cfg)))
+        return _pair_loss(cfg, spec, preds, labels)
+    return counted_loss(cfg, preds, count_labels(cfg, preds, labels, attention_mask, check))
+
+
+def head_losses(
+    configs: Mapping[str, HeadConfig],
+    preds: Mapping[str, torch.Tensor],
+    labels: Mapping[str, Any],
+    masks: Mapping[str, torch.Tensor | None],
+    check: bool = True,
+) -> dict[str, torch.Tensor]:
+    """``head_loss`` of every head that has a loss and a label (``labels`` by target,
+    ``masks`` by head), the labels counted once for all the heads that read them alike.
+
+    Heads that read one target with the same label rule, mask and prediction shape share one
+    ``count_labels`` (its checks, masks and count of what counts): a head adds only its own
+    loss, whatever the number of heads.
+    """
+    shared: dict[tuple, CountedLabels] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, cfg in configs.items():
+        y = labels.get(cfg.target)
+        if y is None or cfg.loss_fct is None:
+            continue
+        p, mask = preds[name], masks.get(name)
+        if LOSSES.get(cfg.loss_fct).pairwise:  # rows read as pairs: nothing to count
+            out[name] = head_loss(cfg, p, y, mask, check)
+            continue
+        key = _sharing_key(cfg, p, mask, check)
+        counted = shared.get(key)
+        if counted is None:
+            counted = shared[key] = count_labels(cfg, p, y, mask, check)
+        out[name] = counted_loss(cfg, p, counted)
+    return out
+
+
+def _sharing_key(cfg: HeadConfig, preds: torch.Tensor, mask: Any, check: bool) -> tuple:
+    """What ``count_labels`` depends on besides the labels of ``cfg.target``: heads with equal
+    keys get the same ``CountedLabels`` (the mask by identity: one object per stack)."""
+    rule = label_rule(cfg)
+    spec: LossSpec = LOSSES.get(cfg.loss_fct)
+    pads = cfg.ignore_pads if rule.skips_padding else None
+    shape = (tuple(preds.shape), preds.device)
+    return (cfg.target, id(mask), rule, pads, shape, spec.target_range, check)
+
+
+@dataclass
+class CountedLabels:
+    """A target's labels, made ready for the loss of every head that reads them alike.
+
+    ``target``: what the loss function gets, aligned with the predictions (after the causal
+    shift): class indices (N,) with -100 where nothing counts, or values of the predictions'
+    shape with 0 where nothing counts. ``counts``: (N,) booleans, the label elements that count
+    (None: every one does). ``total``: how many count, at least 1 (float32, the mean's
+    denominator). ``shift``: the predictions lose their last position first.
+    """
+
+    target: torch.Tensor
+    counts: torch.Tensor | None
+    total: torch.Tensor
+    shift: bool
+    _skipped: torch.Tensor | None = field(default=None, repr=False)
+
+    def skipped(self) -> torch.Tensor | None:
+        """(N,) True where nothing counts (None: every element counts); computed once, when a
+        head first needs it (not ``functools.cached_property``: its lock stops torch.compile)."""
+        if self._skipped is None and self.counts is not None:
+            self._skipped = ~self.counts
+        return self._skipped
+
+
+def count_labels(
+    cfg: HeadConfig,
+    preds: torch.Tensor,
+    labels: Any,
+    attention_mask: torch.Tensor | None,
+    check: bool = True,
+) -> CountedLabels:
+    """Check ``labels`` for the head ``cfg`` (predictions of ``preds``' shape: only its shape
+    and device are read) and count which elements count (``counted_positions``, -100)."""
     labels = fit_labels(cfg, preds, labels_as_tensor(labels, preds.device, _where(cfg)))
-    preds, labels, valid = counted_positions(cfg, preds, labels, attention_mask)
+    _, labels, valid = counted_positions(cfg, preds, labels, attention_mask)
     rule = label_rule(cfg)
     if rule.classes:
-        per, weights = _class_loss(cfg, spec, rule, preds, labels, valid, check)
+        return _count_classes(cfg, rule, preds.shape[-1], labels, valid, check)
+    every = rule.ignore_index is None and not (rule.skips_padding and attention_mask is not None)
+    return _count_values(cfg, rule, labels, valid, every, check)
+
+
+def counted_loss(cfg: HeadConfig, preds: torch.Tensor, counted: CountedLabels) -> torch.Tensor:
+    """The head's mean loss over what counts: its own work only (the loss function, a mask
+    where it does not zero what is skipped itself, a sum and a division)."""
+    spec: LossSpec = LOSSES.get(cfg.loss_fct)
+    if counted.shift:  # position t predicts token t+1
+        preds = preds[:, :-1]
+    options = loss_options(cfg)
+    if spec.classes:
+        per = spec.fn(preds.reshape(-1, preds.shape[-1]).float(), counted.target, **options)
+        zeroed = spec.zeroes_ignored
     else:
-        per, weights = _value_loss(cfg, spec, rule, preds, labels, valid, check)
-    per = torch.where(weights > 0, per, torch.zeros_like(per))
-    total = weights.sum()  # the count, or the sum of class weights, of what counts
-    return per.sum() / torch.where(total > 0, total, torch.ones_like(total))
+        if cfg.pos_weight is not None:
+            options["pos_weight"] = torch.tensor(
+                cfg.pos_weight, dtype=torch.float32, device=preds.device
+            ).reshape(-1)
+        per = spec.fn(preds.float(), counted.target, **options).reshape(-1)
+        zeroed = False
+    if counted.counts is not None and not zeroed:
+        per = per.masked_fill(counted.skipped(), 0)
+    if spec.classes and cfg.class_weights is not None:
+        return _weighted_mean(cfg, per, counted)
+    return per.sum() / counted.total
 
 
-def _class_loss(
+def _weighted_mean(cfg: HeadConfig, per: torch.Tensor, counted: CountedLabels) -> torch.Tensor:
+    """``sum(w_y * loss) / sum(w_y)`` over the labels that count, as
+    ``F.cross_entropy(weight=)`` computes it."""
+    if not isinstance(cfg.class_weights, list):
+        raise ConfigError(
+            f"{_where(cfg)}: class_weights={cfg.class_weights!r} is not resolved yet; compute "
+            "the weights from the training labels first (HeadConfig.with_class_weights(labels), "
+            "or headkit train does it)"
+        )
+    table = torch.tensor(cfg.class_weights, dtype=per.dtype, device=per.device)
+    weights = table[counted.target.clamp(min=0)]
+    if counted.counts is not None:
+        weights = weights.masked_fill(counted.skipped(), 0)
+    total = weights.sum()
+    return (per * weights).sum() / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def _pair_loss(
+    cfg: HeadConfig, spec: LossSpec, preds: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Mean of ``spec.fn`` over the batch's pairs (``losses/pairwise.py``), plus TRL's
+    centering term when ``center_rewards_coefficient`` is set; no pair: an exact zero."""
+    if not (labels.dtype.is_floating_point or labels.dtype in _NUMERIC):
+        raise BatchError(
+            f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs numeric labels (1 chosen, 0 "
+            f"rejected, -100 not read), got {labels.dtype}"
+        )
+    chosen, rejected, margin = pair_scores(preds.float(), labels.float(), _where(cfg))
+    if chosen.numel() == 0:
+        return preds.sum() * 0.0
+    loss = spec.fn(chosen, rejected, margin).mean()
+    coefficient = getattr(cfg, "center_rewards_coefficient", None)
+    if coefficient is not None:
+        loss = loss + coefficient * centering(chosen, rejected)
+    return loss
+
+
+def _count_classes(
     cfg: HeadConfig,
-    spec: LossSpec,
     rule: LabelRule,
-    preds: torch.Tensor,
+    n_out: int,
     labels: torch.Tensor,
     valid: torch.Tensor,
     check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    n_out = preds.shape[-1]
+) -> CountedLabels:
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise BatchError(
             f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs integer class indices, got "
@@ -406,34 +580,24 @@ def _class_loss(
             f"allowed: 0..{n_out - 1} (or {IGNORE_INDEX} to ignore)"
         )
     target = torch.where(valid, labels, IGNORE_INDEX).reshape(-1)
-    per = spec.fn(preds.reshape(-1, n_out).float(), target, **loss_options(cfg))
-    weights = valid.reshape(-1).to(per.dtype)
-    if isinstance(cfg.class_weights, list):  # the weighted mean: sum(w_y * l) / sum(w_y)
-        table = torch.tensor(cfg.class_weights, dtype=per.dtype, device=per.device)
-        weights = weights * table[target.clamp(min=0)]
-        per = per * weights
-    elif cfg.class_weights is not None:
-        raise ConfigError(
-            f"{_where(cfg)}: class_weights={cfg.class_weights!r} is not resolved yet; compute "
-            "the weights from the training labels first (HeadConfig.with_class_weights(labels), "
-            "or headkit train does it)"
-        )
-    return per, weights
+    counts = valid.reshape(-1)
+    return CountedLabels(target, counts, _total(counts), rule.shift)
 
 
-def _value_loss(
+def _count_values(
     cfg: HeadConfig,
-    spec: LossSpec,
     rule: LabelRule,
-    preds: torch.Tensor,
     labels: torch.Tensor,
     valid: torch.Tensor,
+    every: bool,
     check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> CountedLabels:
+    """``every``: every position is valid and -100 is not skipped (so every element counts)."""
     if not (labels.dtype.is_floating_point or labels.dtype in _NUMERIC):
         raise BatchError(
             f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs numeric labels, got {labels.dtype}"
         )
+    spec: LossSpec = LOSSES.get(cfg.loss_fct)
     labels = labels.to(rule.dtype)
     counts = valid.unsqueeze(-1).expand_as(labels)
     ignored = labels == IGNORE_INDEX
@@ -458,14 +622,16 @@ def _value_loss(
                 f"{_where(cfg)}: loss_fct={cfg.loss_fct!r} needs targets in [{lo:g}, {hi:g}], "
                 f"got {float(labels[outside][0])}"
             )
+    flat = counts.reshape(-1)
+    if every:
+        return CountedLabels(labels, None, _total(flat), rule.shift)
     safe = torch.where(counts, labels, torch.zeros_like(labels))
-    options = loss_options(cfg)
-    if cfg.pos_weight is not None:
-        options["pos_weight"] = torch.tensor(
-            cfg.pos_weight, dtype=torch.float32, device=preds.device
-        ).reshape(-1)
-    per = spec.fn(preds.float(), safe, **options).reshape(-1)
-    return per, counts.reshape(-1).to(per.dtype)
+    return CountedLabels(safe, flat, _total(flat), rule.shift)
+
+
+def _total(counts: torch.Tensor) -> torch.Tensor:
+    """How many elements count, at least 1 (the denominator of a head's mean loss)."""
+    return counts.to(torch.float32).sum().clamp(min=1)
 
 
 def loss_options(cfg: HeadConfig) -> dict[str, Any]:

@@ -32,7 +32,8 @@ class LossWeighting(nn.Module):
         self.weights = dict(weights)
 
     def forward(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v * self.weights[k] for k, v in losses.items()}
+        # a weight of 1 is the loss itself (bit for bit): no operation for it
+        return {k: v if self.weights[k] == 1 else v * self.weights[k] for k, v in losses.items()}
 
     @property
     def name(self) -> str | None:

@@ -45,7 +45,7 @@ from ..distributed.sharding import is_sharded, save_sharded
 from ..errors import BatchError, CheckpointError, ConfigError
 from ..generation.generate import HeadedGenerationMixin
 from ..heads.base import HeadDict, build_head, get_submodule_by_name
-from ..losses.objective import head_loss, target_rules
+from ..losses.objective import head_losses, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
 from .guards import NonFiniteGuard, ValueChecks
 from .head_inputs import (
@@ -57,7 +57,7 @@ from .head_inputs import (
     resolve_config,
     state_key,
 )
-from .labels import ForwardWithTargets, loss_heads, route_labels, unused_targets
+from .labels import loss_heads, route_labels, say_no_targets, unused_targets
 from .pretrained import PreTrainedConveniences, hide_head_dicts_from_trainer, name_classes
 from .rates import RateWatch
 
@@ -208,8 +208,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         layers = set(self._layer_of_head.values())
         prepare_tracing(self.backbone, self.info, layers)  # capture hooks for torch.compile
         self.set_loss_weighting(loss_weighting)
-        # ``model.forward`` advertises the heads' targets (see labels.ForwardWithTargets).
-        self.forward = ForwardWithTargets(type(self).forward, self)
+        self._said_no_targets = False  # labels.say_no_targets: once per model
 
     # ------------------------------------------------------------------ construction
     def _resolve(self, cfg: HeadConfig) -> HeadConfig:
@@ -320,15 +319,18 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        **labels: Any,
+        labels: Any = None,
+        **targets: Any,
     ) -> HeadedModelOutput | tuple:
         """Run the backbone (only as deep as needed), every head, and the losses.
 
-        ``labels`` are passed by each head's ``target``; a head without its label gets no
-        loss. Padding comes from ``attention_mask`` (no mask: every token counts); with a
-        KV cache the mask may cover ``past + new`` positions, as in generation.
-        ``labels={target: tensor, ...}`` (a mapping) is accepted too: it is what HF Trainer
-        recognises as the batch's labels (it looks for a key named "labels").
+        Labels come as ``labels={target: tensor, ...}`` (what ``HeadedCollator`` makes, the
+        key HF Trainer recognises as the batch's labels), as ``labels=tensor`` for the one
+        head with a loss, or as keyword targets (``model(**batch, sentiment=y)``) in
+        ``**targets``, which also takes the backbone's own inputs (``pixel_values``, ...).
+        A head without its label gets no loss. Padding comes from ``attention_mask`` (no
+        mask: every token counts); with a KV cache the mask may cover ``past + new``
+        positions, as in generation.
         The output is a ``HeadedModelOutput``; ``return_dict=False`` gives its
         ``to_tuple()`` instead (its fields that are not None, in order), as transformers
         models do when it is passed (the backbone config's ``return_dict`` is not read).
@@ -336,8 +338,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self._guard.check_pending()  # CUDA: a loss of an earlier step read without waiting
         if self.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._rate_watch.observe(self)  # a learning rate too low for fresh heads: warn once
-        extra, labels = split_inputs(self.info, labels)  # pixel_values, input_values, ...
-        labels = self._route_labels(labels)
+        extra, targets = split_inputs(self.info, targets)  # pixel_values, input_values, ...
+        labels = self._route_labels(targets if labels is None else {**targets, "labels": labels})
         given = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -399,6 +401,11 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                 "loss_fct=None; remove them from the batch, give the head a loss, or build "
                 "the model with allow_unused_labels=True"
             )
+        quiet = self._said_no_targets or not (self.training and torch.is_grad_enabled())
+        quiet = quiet or torch.compiler.is_compiling()  # no logging inside a graph
+        if not given and not quiet and loss_heads(self.head_configs):  # a Trainer dropped them?
+            self._said_no_targets = True
+            say_no_targets(self.head_configs)
         return labels
 
     def head_inputs(
@@ -419,13 +426,10 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Each head's loss, for the heads that have a loss and a label in ``labels``
         (``check``: validate the labels' values on the host; ``mask``: one for all heads, or
-        each head's)."""
-        losses: dict[str, torch.Tensor] = {}
-        for name, cfg in self.head_configs.items():
-            y = labels.get(cfg.target)
-            if y is not None and cfg.loss_fct is not None:
-                losses[name] = head_loss(cfg, preds[name], y, mask_of(mask, name), check)
-        return losses
+        each head's). Labels are checked and counted once for the heads that read them alike
+        (``losses.objective.head_losses``)."""
+        masks = {name: mask_of(mask, name) for name in self.head_configs}
+        return head_losses(self.head_configs, preds, labels, masks, check)
 
     def combine_losses(
         self, losses: dict[str, torch.Tensor]

@@ -6,6 +6,8 @@ Trainer treats as the batch's labels), or, for a model with exactly one head tha
 loss, as a plain tensor under ``labels`` (what ``DataCollatorWithPadding`` makes of a
 ``label`` column, and what ``model(..., labels=tensor)`` means in transformers).
 ``HeadedModel.forward``, feature caching and ``HeadedTrainer`` all route labels here.
+``forward``'s signature is the class's and lists ``labels``, not the targets: the columns
+a model reads are ``model_columns`` (what ``HeadedTrainer`` keeps).
 
 A label whose target only heads with ``loss_fct=None`` read would be silently ignored by
 ``HeadedModel.forward``; it is refused there (``BatchError``) unless the model was built with
@@ -15,8 +17,6 @@ itself and calls the model without them (``without_unused_labels``).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -101,7 +101,8 @@ def _target_of_plain_labels(head_configs: Mapping[str, Any]) -> str:
         f"column to 'labels'{why}. Either give the head that learns from that column "
         "target='labels' (HeadConfig(..., target='labels')), or keep each head's labels "
         "under its target and collate with HeadedCollator(model, tokenizer) "
-        "(Trainer(..., data_collator=HeadedCollator(model, tokenizer)) or HeadedTrainer)"
+        "(HeadedTrainer, or Trainer(..., data_collator=HeadedCollator(model, tokenizer)) "
+        "with TrainingArguments(remove_unused_columns=False))"
     )
 
 
@@ -217,44 +218,22 @@ class _KeptColumnsIterable(IterableDataset):
         return (self.filter(x) for x in self.data)
 
 
-# ---------------------------------------------------------------------- forward signature
-class ForwardWithTargets(functools.partial):
-    """``HeadedModel.forward`` bound to one model, whose signature also lists the head targets.
+# ---------------------------------------------------------------------- missing targets
+def say_no_targets(head_configs: Mapping[str, Any]) -> None:
+    """Say why a training-mode forward without a label for any head with a loss has no loss.
 
-    Targets travel through ``**labels``; HF Trainer keeps only the dataset columns named in
-    ``inspect.signature(model.forward)`` (``remove_unused_columns``), so they are listed as
-    keyword-only parameters, read from the model's current heads at every inspection, with
-    the backbone's own inputs beyond the fixed ones (``pixel_values``, ``input_values``, ...).
+    ``HeadedModel.forward`` calls it once per model. Under a vanilla Trainer it is what a
+    ``remove_unused_columns`` that dropped the target columns looks like: Trainer keeps the
+    columns named in ``HeadedModel.forward``'s signature, which lists ``labels`` but not the
+    heads' targets (``HeadedTrainer`` keeps them itself, from ``model_columns``).
     """
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        model = self.args[0]
-        targets = dict.fromkeys(c.target for c in model.head_configs.values() if c.target)
-        own = getattr(getattr(model, "info", None), "extra_inputs", ())
-        return _with_names(inspect.signature(self.func), [*own, *targets], drop_self=True)
-
-
-def _with_names(
-    sig: inspect.Signature, names: Iterable[str], drop_self: bool = False
-) -> inspect.Signature:
-    """``sig`` with ``names`` it lacks added as keyword-only parameters before its
-    ``**kwargs`` (its first parameter dropped with ``drop_self``)."""
-    params = list(sig.parameters.values())[1 if drop_self else 0 :]
-    var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
-    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    taken = {p.name for p in params} | {p.name for p in var_kw}
-    params += [_keyword(n) for n in dict.fromkeys(names) if n not in taken]
-    return sig.replace(parameters=params + var_kw)
-
-
-def _keyword(name: str) -> inspect.Parameter:
-    """A keyword-only parameter named ``name``, even when it is no Python identifier
-    ("my-head", "class"): such a target is still passed as ``**{name: ...}``, and HF
-    Trainer only reads the parameter names."""
-    try:
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
-    except ValueError:
-        param = inspect.Parameter("_", inspect.Parameter.KEYWORD_ONLY, default=None)
-        object.__setattr__(param, "_name", name)  # Parameter validates names, Signature not
-        return param
+    targets = sorted({head_configs[n].target for n in loss_heads(head_configs)})
+    logger.warning(
+        "HeadedModel: a training-mode forward got no label for any head with a loss "
+        "(targets %s), so it returns no loss. Under a Trainer, its remove_unused_columns "
+        "dropped the target columns (a vanilla Trainer keeps only 'labels', 'label' and "
+        "'label_ids' beside the inputs): train with headkit.HeadedTrainer, which keeps them, "
+        "or with TrainingArguments(remove_unused_columns=False). For inference, call "
+        "model.eval() first",
+        targets,
+    )

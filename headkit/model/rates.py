@@ -17,6 +17,7 @@ than ``SLOW_STEP`` per step over the first ``WATCHED_STEPS`` training forwards, 
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -112,11 +113,10 @@ class RateWatch:
             self._finish()
             return
         with torch.no_grad():
+            # foreach ops: a handful of operations for all heads together, whatever their count
             if self._previous is not None:
-                device = params[0].device  # no host sync: the maxima stay on the device
-                step = torch.stack(
-                    [(p - q).abs().max().float().to(device) for p, q in zip(params, self._previous)]
-                ).max()
+                moved = torch._foreach_norm(torch._foreach_sub(params, self._previous), math.inf)
+                step = torch.stack([m.float() for m in moved]).max()  # on the device: no sync
                 self._largest = (
                     step if self._largest is None else torch.maximum(self._largest, step)
                 )
@@ -127,7 +127,10 @@ class RateWatch:
                 if 0.0 < largest < SLOW_STEP:
                     warnings.warn(_message(largest), SlowHeadsWarning, stacklevel=4)
                 return
-            self._previous = [p.detach().clone() for p in params]
+            if self._previous is None or len(self._previous) != len(params):
+                self._previous = [p.detach().clone() for p in params]
+            else:
+                torch._foreach_copy_(self._previous, params)
 
     def _finish(self) -> None:
         self.done, self._previous, self._largest = True, None, None

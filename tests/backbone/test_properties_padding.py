@@ -12,7 +12,6 @@ dtype) also gets one explicit left-padded batch with gaps.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import string
 import tempfile
@@ -26,6 +25,7 @@ from hypothesis import strategies as st
 from test_padding_invariance import FILLER
 
 from headkit import POOLINGS, HeadConfig, HeadedCollator, HeadedModel, HeadkitError
+from headkit.model.labels import model_columns
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*takes no position_ids")
 
@@ -172,7 +172,7 @@ def test_heads_with_any_allowed_name_train_collate_save_and_load(names, arch):
     except HeadkitError as e:  # two heads of one name; a name that is a model input
         event(f"headkit error: {type(e).__name__}")
         return
-    assert set(names) <= set(inspect.signature(model.forward).parameters)  # what Trainer reads
+    assert set(names) <= model_columns(model.head_configs)  # the columns HeadedTrainer keeps
     features = [
         {"input_ids": [5, 6, 7][: 1 + i], **{n: [1] * (1 + i) for n in names}} for i in range(2)
     ]

@@ -87,12 +87,13 @@ def test_vanilla_trainer_trains_evaluates_and_predicts(tmp_path: Path) -> None:
     before = _heads(model)
     trainer = Trainer(
         model=model,
-        args=_args(tmp_path, per_device_eval_batch_size=8),
+        # several heads: a vanilla Trainer would drop the target columns "sent" and "ner"
+        # (forward's signature lists `labels`, not the targets); HeadedTrainer keeps them
+        args=_args(tmp_path, per_device_eval_batch_size=8, remove_unused_columns=False),
         train_dataset=data,
         eval_dataset=data[:8],
         data_collator=HeadedCollator(model),
     )
-    assert trainer.args.remove_unused_columns  # the default: target columns must survive it
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
@@ -108,6 +109,54 @@ def test_vanilla_trainer_trains_evaluates_and_predicts(tmp_path: Path) -> None:
     for name in ("sent", "ner"):
         torch.testing.assert_close(torch.as_tensor(preds[name]), out.preds_by_head[name])
         assert (pred.label_ids[name] == batch["labels"][name].numpy()).all()
+
+
+def test_vanilla_trainer_with_one_head_and_a_label_column_keeps_its_defaults(
+    tmp_path: Path,
+) -> None:
+    model = HeadedModel(
+        build_tiny("gpt2", num_layers=2),
+        [HeadConfig("sent", num_outputs=3, pred_for_sequence=True)],
+    )
+    data = [{"input_ids": x["input_ids"], "label": x["sent"], "text": "-"} for x in _data(12)]
+    before = _heads(model)
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, per_device_eval_batch_size=8),
+        train_dataset=data,
+        eval_dataset=data[:8],
+        data_collator=HeadedCollator(model),
+    )
+    assert trainer.args.remove_unused_columns  # the default: "label" survives it, "text" not
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    after = _heads(model)
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+
+    metrics = trainer.evaluate()
+    features = [{k: v for k, v in ex.items() if k != "text"} for ex in data[:8]]
+    out, batch = _direct(model, features)
+    assert metrics["eval_loss"] == pytest.approx(float(out.loss), rel=1e-5)
+
+    pred = trainer.predict(data[:8])  # one trained head: its arrays, as a classifier's
+    torch.testing.assert_close(torch.as_tensor(pred.predictions), out.preds_by_head["sent"])
+    assert (pred.label_ids == batch["labels"].numpy()).all()
+
+
+def test_a_vanilla_trainer_that_drops_the_target_columns_says_why(tmp_path, caplog) -> None:
+    model = _model()
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path),  # remove_unused_columns=True drops "sent" and "ner"
+        train_dataset=_data(8),
+        data_collator=HeadedCollator(model),
+    )
+    with caplog.at_level("WARNING", logger="headkit"), pytest.raises(ValueError):
+        trainer.train()  # Trainer: "The model did not return a loss from the inputs"
+    told = [r.getMessage() for r in caplog.records if r.name == "headkit"]
+    assert len(told) == 1 and "targets ['ner', 'sent']" in told[0]
+    assert "HeadedTrainer" in told[0] and "remove_unused_columns=False" in told[0]
 
 
 # ---------------------------------------------------------------------- HeadedTrainer

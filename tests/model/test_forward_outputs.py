@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from conftest import build_tiny
@@ -49,3 +51,40 @@ def test_the_input_stage_takes_the_batch_dict_and_names_a_key_it_does_not_know()
         BatchError, match=r"unexpected model input\(s\) \['labels'\]; allowed: \['input_ids'"
     ):
         prepare_inputs(model.backbone, model.info, {**batch, "labels": IDS})
+
+
+def test_forward_is_the_class_method_and_targets_come_as_labels_or_keywords():
+    heads = [
+        HeadConfig("tag", num_outputs=3),
+        HeadConfig("mood", num_outputs=2, pred_for_sequence=True),
+    ]
+    model = HeadedModel(build_tiny("gpt2"), heads).eval()
+    assert "forward" not in vars(model) and model.forward.__func__ is type(model).forward
+    # no signature forged per model: the targets are not parameters, `labels` is
+    params = inspect.signature(model.forward).parameters
+    assert "labels" in params and not {"tag", "mood"} & set(params)
+    tag, mood = IDS % 3, torch.tensor([0, 1])
+    by_keyword = model(input_ids=IDS, attention_mask=MASK, tag=tag, mood=mood)
+    by_mapping = model(input_ids=IDS, attention_mask=MASK, labels={"tag": tag, "mood": mood})
+    mixed = model(input_ids=IDS, attention_mask=MASK, labels={"tag": tag}, mood=mood)
+    for out in (by_mapping, mixed):
+        assert torch.equal(out.loss, by_keyword.loss)
+    with pytest.raises(BatchError, match=r"target\(s\) \['mood'\] given twice"):
+        model(input_ids=IDS, labels={"mood": mood}, mood=mood)
+
+
+def test_a_training_forward_without_any_label_says_once_why_it_has_no_loss(caplog):
+    model = HeadedModel(build_tiny("gpt2"), [HeadConfig("mood", num_outputs=2)])
+    with caplog.at_level("WARNING", logger="headkit"):
+        model.eval()
+        assert model(input_ids=IDS).loss is None  # inference: nothing to say
+        model.train()
+        with torch.no_grad():
+            model(input_ids=IDS)
+        assert not caplog.records
+        for _ in range(2):
+            assert model(input_ids=IDS).loss is None
+    (record,) = caplog.records
+    assert "no label for any head with a loss (targets ['mood'])" in record.getMessage()
+    assert "HeadedTrainer" in record.getMessage()
+    assert model(input_ids=IDS, mood=IDS % 2).loss is not None

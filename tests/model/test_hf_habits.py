@@ -137,7 +137,9 @@ def test_several_heads_give_dicts_by_head_and_target_never_losses(trainer_cls, t
 
     trainer = trainer_cls(
         model=model,
-        args=_args(tmp_path),
+        # HeadedTrainer keeps the target columns; a vanilla Trainer with several heads
+        # needs remove_unused_columns=False (forward's signature lists `labels`, not targets)
+        args=_args(tmp_path, remove_unused_columns=trainer_cls is HeadedTrainer),
         eval_dataset=data,
         data_collator=HeadedCollator(model),
         compute_metrics=metrics,
@@ -268,7 +270,8 @@ def test_training_arguments_gradient_checkpointing_end_to_end(trainer_cls, tmp_p
     model = HeadedModel(build_tiny("gpt2", num_layers=2), [head], freeze_base_model=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = _args(tmp_path, gradient_checkpointing=True, max_steps=8, learning_rate=5e-3)
-    data = _cls_data()
+    # one head: its labels in a `label` column, which a vanilla Trainer keeps
+    data = [{"input_ids": ex["input_ids"], "label": ex["sent"]} for ex in _cls_data()]
     trainer = trainer_cls(
         model=model, args=args, train_dataset=data, data_collator=HeadedCollator(model)
     )
