@@ -4,9 +4,9 @@ Setting: the packaged all-MiniLM-L6-v2 (6 layers, so 7 hidden states), ``--texts
 rotten-tomatoes review snippets (max length 128), 2 threads, one process.
 
   sweep     ``probe_layers(model, texts, labels)`` with its defaults: every layer, mean
-            pooling, one seed (L2 chosen from 5 values on a validation split), bootstrap
-            interval; the model is already loaded, so tokenizing, the cached backbone pass
-            and the probes are timed
+            pooling, 5-fold cross-validation (L2 chosen from 5 values), the probe refitted
+            on every training example, bootstrap interval; the model is already loaded,
+            so tokenizing, the cached backbone pass and the probes are timed
   forward   tokenize the same texts and run the bare model once over them, in the same
             batches (the sweep sorts texts by length; so does this), keeping nothing
   recipe    the usual hand-written study: the bare model with ``output_hidden_states=True``,
@@ -123,13 +123,13 @@ def matched_accuracy(feats, labels, test_index, fit_index) -> list[float]:
 
 
 def fit_rows(tok, texts, labels, max_length: int) -> list[int]:
-    """The examples the sweep's first seed trains on (its split, recomputed)."""
+    """The examples the sweep's scored probe trains on: every training example (the probe is
+    refitted on all of them after cross-validation; the held-out split, recomputed)."""
     from headkit.probe.data import prepare_rows, split_rows
 
     rows = prepare_rows(tok, texts, labels, "classification", max_length)
     split = split_rows(rows, 0.2, 0.2, 1, 0)
-    train_examples = rows.example[split["train"]]
-    return train_examples[split["fit"][0]].tolist()
+    return rows.example[split["train"]].tolist()
 
 
 def parse_args(argv):

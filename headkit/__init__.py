@@ -23,6 +23,7 @@ _LAZY: dict[str, str] = {
     "POOLINGS": "heads.pooling",
     "BatchError": "errors",
     "CachedFeatures": "features",
+    "Calibration": "calibration",
     "CheckpointError": "errors",
     "ConfigError": "errors",
     "Head": "heads.base",
@@ -45,6 +46,7 @@ _LAZY: dict[str, str] = {
     "SlowHeadsWarning": "model.rates",
     "SequencePooling": "heads.pooling",
     "cache_features": "features",
+    "calibrate": "calibration",
     "create_headed_qlora": "compat.calls",
     "evaluate_head_wise": "metrics",
     "export": "deploy",
@@ -116,6 +118,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see (``X as X``: the lazy names, re-exported)
+    from .calibration import Calibration as Calibration
+    from .calibration import calibrate as calibrate
     from .compat.calls import create_headed_qlora as create_headed_qlora
     from .compat.calls import load_headed as load_headed
     from .compat.calls import load_lora_with_heads as load_lora_with_heads

@@ -67,6 +67,16 @@ class HeadConfig:
     before the final norm (ViT, wav2vec2), this is the output after it, which HF's own
     classifiers read; elsewhere the two are the same.
 
+    Imbalance and calibration: ``class_weights`` (one weight >= 0 per class, or "balanced",
+    resolved from the training labels by ``with_class_weights``) weigh a class loss's labels
+    (the weighted mean, as ``cross_entropy(weight=)``); ``pos_weight`` (a number > 0, or one
+    per output) weighs the positives of ``bce_with_logits`` (as ``BCEWithLogitsLoss``);
+    ``loss_options`` sets the loss's own options (``focal``: ``gamma``). ``temperature``
+    divides the logits before probabilities are read (``headkit.calibrate`` fits it on
+    validation data); ``threshold`` is the decision threshold on the positive probability of
+    a binary head or a two-class classifier (None: the loss's default / the argmax). Both are
+    saved with the head; ``predict`` and the metrics use them; training ignores them.
+
     Reward heads: a pairwise loss (``loss_fct="bradley_terry"``) needs a sequence head with
     one output; ``center_rewards_coefficient`` (TRL ``RewardConfig``'s option of that name,
     a number >= 0 or None) adds ``coefficient * mean((r_chosen + r_rejected) ** 2)`` to its
@@ -102,6 +112,11 @@ class HeadConfig:
     stack: str = "encoder"
     pool_over: str = "all"
     last_hidden_state: bool = False
+    class_weights: list[float] | str | None = None
+    pos_weight: float | list[float] | None = None
+    loss_options: dict[str, float] = field(default_factory=dict)
+    temperature: float = 1.0
+    threshold: float | None = None
     center_rewards_coefficient: float | None = None
 
     def __post_init__(self) -> None:
@@ -145,6 +160,8 @@ class HeadConfig:
         self._validate_sizes()
         self._validate_kind()
         self._validate_loss()
+        self._validate_weights()
+        self._validate_calibration()
         if self.pooling is not None:
             if not self.pred_for_sequence:
                 raise self._bad(
@@ -276,6 +293,83 @@ class HeadConfig:
                 self.loss_fct,
                 f"a causal-LM head needs a loss over class indices ({allowed})",
             )
+
+    def _validate_weights(self) -> None:
+        """``class_weights``, ``pos_weight`` and ``loss_options`` against the head's loss."""
+        spec = loss_spec(self) if self.loss_fct in LOSSES else None
+        if self.class_weights is not None:
+            class_losses = ", ".join(n for n in LOSSES.names() if LOSSES.get(n).classes)
+            if spec is None or not spec.classes:
+                raise self._bad(
+                    "class_weights",
+                    self.class_weights,
+                    f"class weights apply to a loss over class indices ({class_losses}); "
+                    f"loss_fct={self.loss_fct!r}",
+                )
+            if self.class_weights != "balanced":
+                self.class_weights = _weight_list(self, "class_weights", self.class_weights, 0)
+        if self.pos_weight is not None:
+            allowed = ", ".join(n for n in LOSSES.names() if LOSSES.get(n).pos_weight)
+            if spec is None or not spec.pos_weight:
+                raise self._bad(
+                    "pos_weight",
+                    self.pos_weight,
+                    f"pos_weight applies to {allowed}; loss_fct={self.loss_fct!r}",
+                )
+            if _is_real(self.pos_weight):  # one weight for every output
+                v = self.pos_weight
+                if not math.isfinite(v) or v <= 0:
+                    raise self._bad("pos_weight", v, "expected a finite number > 0, or a list")
+                self.pos_weight = float(v)
+            else:
+                self.pos_weight = _weight_list(self, "pos_weight", self.pos_weight, 1e-300)
+        if not isinstance(self.loss_options, dict):
+            raise self._bad("loss_options", self.loss_options, "expected a dict {option: number}")
+        known = dict(spec.options) if spec is not None else {}
+        for key, value in self.loss_options.items():
+            if key not in known:
+                allowed = ", ".join(sorted(known)) or "none (this loss takes no options)"
+                raise self._bad(f"loss_options[{key!r}]", value, f"allowed options: {allowed}")
+            if not _is_real(value) or not math.isfinite(value) or value < 0:
+                raise self._bad(f"loss_options[{key!r}]", value, "expected a finite number >= 0")
+            self.loss_options[key] = float(value)
+
+    def _validate_calibration(self) -> None:
+        """``temperature`` > 0; ``threshold`` in (0, 1), for binary or two-class heads."""
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t <= 0:
+            raise self._bad("temperature", t, "expected a finite number > 0 (1 = unchanged)")
+        self.temperature = float(t)
+        if self.threshold is None:
+            return
+        v = self.threshold
+        if not _is_real(v) or not 0 < v < 1:
+            raise self._bad(
+                "threshold", v, "expected a probability in (0, 1), or None for the default"
+            )
+        task = task_of(self) if self.loss_fct in LOSSES or self.loss_fct is None else None
+        two_classes = task == "classification" and self.num_outputs in (None, 2)
+        if task != "binary" and not two_classes:
+            raise self._bad(
+                "threshold",
+                v,
+                "a decision threshold applies to binary heads (bce, bce_with_logits) and "
+                "two-class classifiers (num_outputs=2)",
+            )
+        self.threshold = float(v)
+
+    def with_class_weights(self, labels: Any) -> HeadConfig:
+        """This config with ``class_weights="balanced"`` computed from the training
+        ``labels`` (class indices: ``n / (num_outputs * count)`` per class, as scikit-learn)."""
+        from .losses.objective import balanced_class_weights
+
+        if self.class_weights != "balanced":
+            return self
+        if self.num_outputs is None:
+            raise self._bad(
+                "num_outputs", None, "class_weights='balanced' needs num_outputs (the classes)"
+            )
+        return self.replace(class_weights=balanced_class_weights(labels, self.num_outputs))
 
     def _validate_pairwise(self) -> None:
         """A pairwise loss scores one number per sequence; centering needs a pairwise loss."""
@@ -415,6 +509,29 @@ def _json_value(value: Any, path: str, cfg: HeadConfig) -> Any:
         f"expected JSON values (None, bool, int, float, str, list, dict), got "
         f"{type(value).__name__}",
     )
+
+
+def _weight_list(cfg: HeadConfig, name: str, values: Any, low: float) -> list[float]:
+    """A list of finite weights >= ``low`` (at least one > 0), one per output when
+    ``num_outputs`` is known."""
+    allowed = (
+        f"expected {'a number > 0 or ' if name == 'pos_weight' else ''}a list of finite "
+        f"numbers {'> 0' if low > 0 else '>= 0, not all 0'}"
+        + (f", one per output ({cfg.num_outputs})" if cfg.num_outputs else "")
+        + (" or 'balanced'" if name == "class_weights" else "")
+    )
+    if isinstance(values, tuple):
+        values = list(values)
+    if not isinstance(values, list) or not values:
+        raise cfg._bad(name, values, allowed)
+    for v in values:
+        if not _is_real(v) or not math.isfinite(v) or v < low:
+            raise cfg._bad(name, values, allowed)
+    if not any(v > 0 for v in values):
+        raise cfg._bad(name, values, allowed)
+    if cfg.num_outputs is not None and len(values) != cfg.num_outputs:
+        raise cfg._bad(name, values, allowed)
+    return [float(v) for v in values]
 
 
 def _defaults_for(cfg: HeadConfig) -> dict[str, Any]:

@@ -29,7 +29,13 @@ from tqdm.auto import tqdm
 
 from .config import HeadConfig
 from .errors import BatchError
-from .losses.objective import IGNORE_INDEX, counted_positions, fit_labels, label_rule
+from .losses.objective import (
+    IGNORE_INDEX,
+    counted_positions,
+    decisions,
+    fit_labels,
+    label_rule,
+)
 from .losses.pairwise import pair_scores
 from .model.labels import keep_model_columns, loss_heads, route_labels, without_unused_labels
 
@@ -48,7 +54,6 @@ class HeadMetric:
             self.confusion = np.zeros((n, n), dtype=np.int64)  # [label, prediction]
         elif self.kind == "binary":
             self.counts = np.zeros((n, 4), dtype=np.int64)  # tp, fp, fn, tn per output
-            self.threshold = float(cfg.spec.threshold)
         elif self.kind == "regression":
             # per output: count, mean of y, sum of squared deviations of y (merged batch by
             # batch with Chan's parallel update: stable for labels with a large offset),
@@ -87,7 +92,7 @@ class HeadMetric:
         y = y.reshape(-1, self.n)
         elem = elem.reshape(-1, self.n)
         if self.kind == "binary":
-            hat = p > self.threshold
+            hat = decisions(self.cfg, p).bool()  # the head's threshold, as predict decides
             pos = y > 0.5
             for j, cell in enumerate((hat & pos, hat & ~pos, ~hat & pos, ~hat & ~pos)):
                 self.counts[:, j] += (cell & elem).sum(0).numpy()  # tp, fp, fn, tn
@@ -114,7 +119,7 @@ class HeadMetric:
 
     def _update_classes(self, p: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> None:
         y = y[valid]
-        hat = p[valid].argmax(-1)
+        hat = decisions(self.cfg, p[valid])  # argmax, or a two-class head's threshold
         bad = (y < 0) | (y >= self.n)
         if bool(bad.any()):
             raise BatchError(
@@ -137,16 +142,10 @@ class HeadMetric:
     def compute(self) -> dict[str, float]:
         """The metrics so far; empty when no position counted."""
         if self.kind == "classification":
-            c = self.confusion
-            total = c.sum()
-            if total == 0:
+            if self.confusion.sum() == 0:
                 return {}
-            tp = np.diag(c).astype(np.float64)
-            fp = c.sum(0) - tp
-            fn = c.sum(1) - tp
-            seen = (c.sum(0) + c.sum(1)) > 0
-            f1 = 2 * tp[seen] / (2 * tp[seen] + fp[seen] + fn[seen])
-            return {"accuracy": float(tp.sum() / total), "macro_f1": float(f1.mean())}
+            report = confusion_report(self.confusion)
+            return {"accuracy": report["accuracy"], "macro_f1": report["macro_f1"]}
         if self.kind == "binary":
             tp, fp, fn, tn = (self.counts[:, j].astype(np.float64) for j in range(4))
             total = (tp + fp + fn + tn).sum()
@@ -179,6 +178,72 @@ class HeadMetric:
         if self.tokens == 0:
             return {}
         return {"perplexity": math.exp(self.nll / self.tokens)}
+
+
+def confusion_report(confusion: np.ndarray, classes: list | None = None) -> dict[str, Any]:
+    """Per-class and averaged metrics of a confusion matrix ``[label, prediction]``, as
+    scikit-learn computes them: ``accuracy``, ``micro_f1`` (= accuracy for one label per
+    row), ``macro_precision``/``macro_recall``/``macro_f1`` (unweighted mean over the classes
+    that occur in labels or predictions; a class never predicted has precision 0),
+    ``weighted_f1`` (weighted by support), ``per_class`` {class: precision, recall, f1,
+    support} and ``confusion_matrix`` (rows: labels, columns: predictions)."""
+    c = np.asarray(confusion, dtype=np.float64)
+    total = c.sum()
+    tp = np.diag(c)
+    predicted, support = c.sum(0), c.sum(1)
+    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
+    recall = np.divide(tp, support, out=np.zeros_like(tp), where=support > 0)
+    denom = precision + recall
+    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
+    seen = (predicted + support) > 0
+    names = classes if classes is not None else list(range(len(c)))
+    return {
+        "accuracy": float(tp.sum() / max(total, 1)),
+        "micro_f1": float(tp.sum() / max(total, 1)),
+        "macro_precision": float(precision[seen].mean()) if seen.any() else 0.0,
+        "macro_recall": float(recall[seen].mean()) if seen.any() else 0.0,
+        "macro_f1": float(f1[seen].mean()) if seen.any() else 0.0,
+        "weighted_f1": float((f1 * support).sum() / max(support.sum(), 1)),
+        "per_class": {
+            str(name): {
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(support[i]),
+            }
+            for i, name in enumerate(names)
+        },
+        "confusion_matrix": c.astype(np.int64).tolist(),
+    }
+
+
+def ranking_report(labels: Any, scores: Any) -> dict[str, float]:
+    """Threshold-free metrics of a binary task: ``auroc`` (the Mann-Whitney statistic, ties
+    counted half, as ``sklearn.metrics.roc_auc_score``) and ``average_precision`` (as
+    ``sklearn.metrics.average_precision_score``); NaN when only one class occurs."""
+    y = np.asarray(labels).astype(bool)
+    s = np.asarray(scores, dtype=np.float64)
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return {"auroc": math.nan, "average_precision": math.nan}
+    order = np.argsort(s, kind="mergesort")
+    ranks = np.empty(len(s), dtype=np.float64)
+    sorted_s = s[order]
+    # average ranks over ties (1-based)
+    _, first, counts = np.unique(sorted_s, return_index=True, return_counts=True)
+    avg = first + (counts + 1) / 2.0
+    ranks[order] = np.repeat(avg, counts)
+    auroc = (ranks[y].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    # average precision: thresholds at each distinct score, from the highest down
+    desc = np.argsort(-s, kind="mergesort")
+    s_desc, y_desc = s[desc], y[desc]
+    last = np.r_[np.nonzero(np.diff(s_desc))[0], len(s_desc) - 1]  # end of each tie group
+    tps = np.cumsum(y_desc)[last]
+    fps = (last + 1) - tps
+    precision = tps / (tps + fps)
+    recall = tps / n_pos
+    ap = float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+    return {"auroc": float(auroc), "average_precision": ap}
 
 
 def compute_head_metrics(

@@ -77,9 +77,10 @@ def test_every_name_stays_importable(name) -> None:
 
 def test_all_is_what_a_user_needs() -> None:
     # a registry like LOSSES, HEADS and POOLINGS; deploying; FSDP2 sharding; head rates;
-    # reward models
+    # calibration; reward models
     added = {"WEIGHTINGS", "export", "shard", "param_groups", "SlowHeadsWarning"}
     added |= {"PreferenceCollator", "preference_labels", "step_scores", "step_end_scores"}
+    added |= {"calibrate", "Calibration"}
     assert set(headkit.__all__) == (set(NAMES_BEFORE) - BY_NAME_ONLY - {"__version__"}) | added
     assert len(headkit.__all__) == len(set(headkit.__all__))
 

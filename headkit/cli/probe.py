@@ -42,8 +42,11 @@ EXAMPLE = """example:
   headkit probe --model packaged:minilm --data train.csv --test-data test.csv --output runs/p
   headkit probe --model ./my-vit --data images.csv --image-column path --output runs/vit
   headkit probe --model ./my-wav2vec2 --data clips.csv --audio-column wav --output runs/w2v
-writes DIR/probe_results.json (held-out "accuracy" or "r2" per layer) and DIR/probe_results.png;
-with --test-data the probes are scored on that file (validation still comes from --data)"""
+  headkit probe --model packaged:minilm --data train.csv --output runs/p --save runs/probe-head
+writes DIR/probe_results.json (held-out "accuracy" or "r2" per layer, per-class metrics, the
+best probe's predictions) and DIR/probe_results.png; with --test-data the probes are scored on
+that file (validation still comes from --data); --save writes the best probe as a headkit
+checkpoint (headkit predict / eval / export read it)"""
 
 #: The files ``headkit probe`` writes into its output folder.
 RESULT_FILES = ("probe_results.json", "probe_results.png")
@@ -77,10 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--pooling", type=poolings, help="mean (default), or several: mean,first,last,max")
     add("--control", action="store_true", help="also probe a control task: selectivity")
     add(
+        "--folds",
+        type=val_splits,
+        help="k-fold cross-validation picks the L2 and the layer (default: 5 folds)",
+    )
+    add(
         "--val-splits",
         type=val_splits,
-        default=3,
-        help="random validation splits to average over (default 3)",
+        help="random validation splits instead of folds (each holds out 20%% of --data)",
     )
     add("--seed", type=seed, default=0, help="seed of the held-out split (default 0)")
     add(
@@ -90,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add("--l2", type=floats, help="L2 penalties chosen from on validation (default 1e-4..1)")
     add("--output", required=True, help="folder for probe_results.json and .png")
+    add(
+        "--save",
+        metavar="DIR",
+        help="also write the best probe (on validation) as a headkit checkpoint folder: a "
+        "Linear head with the probe's weights, for headkit predict / eval / export",
+    )
     add_overwrite(p, "existing probe results in --output")
     add_encoding(p)
     add_batching(p)
@@ -112,9 +125,9 @@ def run(args: argparse.Namespace) -> None:
             "--test-fraction holds out part of --data, --test-data gives the test split; "
             "pass one of them"
         )
-    out = check_results_folder(
-        args.output, local_inputs(args.data, args.test_data, args.model), args.overwrite
-    )
+    inputs = local_inputs(args.data, args.test_data, args.model)
+    out = check_results_folder(args.output, inputs, args.overwrite)
+    save = _check_save(args, inputs)
     check_model_kwargs(dict(args.model_kwarg))
     texts, labels = read_examples(args, args.data)
     test: dict = {}
@@ -149,12 +162,58 @@ def run(args: argparse.Namespace) -> None:
         progress=not args.quiet,
         model_kwargs=model_kwargs,
         val_splits=args.val_splits,
+        folds=args.folds,
         **test,
         **options,
     )
     if is_main():  # under torchrun every rank has the same results: rank 0 writes them
         print(results.table())
         write_results(results, out)
+        if save is not None:
+            save_probe(results, save, args)
+
+
+def _check_save(args: argparse.Namespace, inputs: list[Path]) -> Path | None:
+    """``--save``'s folder, refused before any work (as ``headkit train``'s output)."""
+    if args.save is None:
+        return None
+    from ..checkpoint.paths import is_checkpoint
+    from .outputs import check_output_folder
+
+    if args.image_column or args.audio_column:
+        option = "--image-column" if args.image_column else "--audio-column"
+        raise ConfigError(
+            f"--save={args.save!r} writes a checkpoint that headkit predict reads texts with; "
+            f"with {option}, save the probe from Python (ProbeResults.to_headed)"
+        )
+    if Path(args.save).resolve() == Path(args.output).resolve():
+        raise ConfigError(f"--save={args.save!r} is --output; give the checkpoint its own folder")
+    return check_output_folder(
+        args.save,
+        inputs,
+        args.overwrite,
+        ours=is_checkpoint,
+        what="a headkit checkpoint",
+        option="--save",
+    )
+
+
+def save_probe(results: ProbeResults, folder: Path, args: argparse.Namespace) -> None:
+    """The best probe as a checkpoint folder ``headkit predict`` / ``eval`` read: the head
+    (named ``probe``, reading the label column), the tokenizer and ``headkit_cli.json``."""
+    from ..backbone.sources import load_tokenizer
+    from .checkpoints import save_trained
+
+    model = results.to_headed()
+    tokenizer = load_tokenizer(args.model, dict(args.model_kwarg))
+    settings = {
+        "text_column": args.text_column,
+        "label_columns": {"probe": args.label_column},
+        "max_length": args.max_length,
+    }
+    best = results.best()
+    save_trained(model, tokenizer, folder, settings)
+    print(f"wrote the probe of layer {best.layer} ({best.pooling}) to {folder}")
 
 
 def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:

@@ -16,7 +16,7 @@ import torch
 from ..config import HeadConfig
 from ..data.encoding import align_labels, as_class, encode_texts, encode_words
 from ..errors import ConfigError
-from ..losses.objective import IGNORE_INDEX, target_rules
+from ..losses.objective import IGNORE_INDEX, decisions, probabilities, target_rules
 from .datafiles import as_list, as_number
 
 
@@ -136,24 +136,25 @@ def readable(name: str, cfg: HeadConfig, p: torch.Tensor) -> dict[str, Any]:
     """Output cells of one input: ``p`` is (num_outputs,) for a sequence head and
     (words, num_outputs) for a token head (one list entry per word).
 
-    Classifiers give the class and its softmax probability (sequence heads also every class's,
-    as ``<name>_prob_<class>``), binary heads the 0/1 decision at the loss's threshold and the
-    probability, regressors and reward heads (pairwise) the value(s).
+    Classifiers give the class and its probability (sequence heads also every class's, as
+    ``<name>_prob_<class>``), binary heads the 0/1 decision and the probability, regressors
+    and reward heads (pairwise) the value(s); probabilities and decisions follow the head's
+    calibration (``temperature``, ``threshold``: ``losses.objective.probabilities`` /
+    ``decisions``).
     """
     task = cfg.task
     if task in ("regression", "pairwise"):
         values = p[..., 0] if p.shape[-1] == 1 else p
         return {name: values.tolist()}
-    if task == "binary":
-        spec = cfg.spec
-        decision = p > spec.threshold  # on probabilities or on logits, as the loss reads them
-        prob = p if spec.needs_probabilities else torch.sigmoid(p.float())
+    if task == "binary":  # the head's calibration (temperature, threshold) applies
+        decision, prob = decisions(cfg, p), probabilities(cfg, p)
         if p.shape[-1] == 1:
             decision, prob = decision[..., 0], prob[..., 0]
-        return {name: decision.long().tolist(), f"{name}_prob": prob.tolist()}
+        return {name: decision.tolist(), f"{name}_prob": prob.tolist()}
     classes = cfg.extra.get("classes") or list(range(p.shape[-1]))
-    probs = torch.softmax(p.float(), -1)
-    top, index = probs.max(-1)
+    probs = probabilities(cfg, p)
+    index = decisions(cfg, p)
+    top = probs.gather(-1, index[..., None])[..., 0]
     names = [classes[i] if i < len(classes) else i for i in index.reshape(-1).tolist()]
     if p.dim() > 1:  # a token head: one class and probability per word
         return {name: names, f"{name}_prob": top.tolist()}

@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG.yaml")
     p.add_argument("--output", help="checkpoint folder (replaces the config's output)")
     add_overwrite(p, "a headkit checkpoint already in the output folder")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run from the training state in the output folder "
+        "(written after every epoch)",
+    )
     add_encoding(p)
     add_quiet(p)
 
@@ -59,9 +65,15 @@ def run(args: argparse.Namespace) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LossStillFallingWarning)  # printed below, one line
         result = run_train(
-            config, progress=not args.quiet, overwrite=args.overwrite, device=args.device
+            config,
+            progress=not args.quiet,
+            overwrite=args.overwrite,
+            device=args.device,
+            resume=args.resume,
         )
     losses = result["losses"]
+    if result.get("resumed_after"):
+        print(f"resumed after epoch {result['resumed_after']}")
     print(f"training loss: epoch 1 {losses[0]:.4f} -> epoch {len(losses)} {losses[-1]:.4f}")
     if result["best_epoch"] is not None:
         how = "stopped early" if result["stopped_early"] else "ran every epoch"
@@ -71,6 +83,12 @@ def run(args: argparse.Namespace) -> None:
         )
     if result["warning"]:
         print(f"headkit train: warning: {result['warning']}", file=sys.stderr)
+    for name, got in result.get("calibration", {}).items():
+        cut = f", threshold {got.threshold:.3f}" if got.threshold is not None else ""
+        print(
+            f"calibrated {name} on validation: temperature {got.temperature:.3f}{cut} "
+            f"(NLL {got.nll_before:.4f} -> {got.nll_after:.4f})"
+        )
     if result.get("dropped"):
         print(f"dropped {result['dropped']} pairs longer than training.max_length (as TRL does)")
     if "metrics" in result:
@@ -113,6 +131,7 @@ def load_train_config(
             f"{path}: training.use_cached_features=true needs training.freeze_backbone=true "
             "(cached features would go stale as the backbone trains)"
         )
+    _check_training(training, parsed.heads, path)
     for h in parsed.heads:
         if h.get("is_causal_lm") is True:
             raise ConfigError(
@@ -147,15 +166,56 @@ def head_configs(heads: list[Any]) -> list[Any]:
     return [h if isinstance(h, HeadConfig) else HeadConfig.from_dict(h) for h in heads]
 
 
+def _check_training(training: dict[str, Any], heads: list, path: Path) -> None:
+    """The training settings that depend on each other or on the heads."""
+    if training["bf16"] and training["fp16"]:
+        raise ConfigError(
+            f"{path}: training.bf16=true and training.fp16=true; allowed: one of them, or neither"
+        )
+    if training["warmup_ratio"] and training["warmup_steps"]:
+        raise ConfigError(
+            f"{path}: training.warmup_ratio={training['warmup_ratio']!r} and "
+            f"training.warmup_steps={training['warmup_steps']!r}; allowed: one of them"
+        )
+    allowed = _metric_names(heads)
+    if training["metric_for_best_model"] not in allowed:
+        raise ConfigError(
+            f"{path}: training.metric_for_best_model={training['metric_for_best_model']!r} is "
+            f"invalid; allowed: {', '.join(allowed)}"
+        )
+
+
+def _ours(folder: Path) -> bool:
+    """A folder ``headkit train`` wrote: a checkpoint, or the training state and logs of a
+    run that did not finish."""
+    from .train_config import LOG_FOLDER, STATE_FOLDER
+
+    names = {p.name for p in folder.iterdir()}
+    if names and names <= {STATE_FOLDER, LOG_FOLDER}:
+        return True
+    from ..checkpoint.paths import is_checkpoint  # imports torch: asked only of a folder of files
+
+    return is_checkpoint(folder)
+
+
+def _metric_names(heads: list[Any]) -> list[str]:
+    """What ``training.metric_for_best_model`` may name for these heads (dicts or
+    HeadConfigs; read without importing torch)."""
+    names = {"loss"}
+    for h in heads:
+        get = h.get if isinstance(h, dict) else (lambda k, d=None, h=h: getattr(h, k, d))
+        if get("loss_fct", "cross_entropy") is None:
+            continue
+        found = ["mse", "mae", "r2"] if get("is_regression", False) else ["accuracy", "macro_f1"]
+        names.update(found)
+        names.update(f"{get('name')}_{m}" for m in [*found, "loss"])
+    return sorted(names)
+
+
 def check_output(config: dict[str, Any], overwrite: bool) -> Path:
     """Refuse the output folder before any work: an input, a file, a folder holding files
     that are not a headkit checkpoint (named), or a checkpoint without ``overwrite``."""
     from .outputs import check_output_folder, local_inputs
-
-    def is_checkpoint(folder: Path) -> bool:  # imports torch: asked only of a folder of files
-        from ..checkpoint.paths import is_checkpoint
-
-        return is_checkpoint(folder)
 
     data = config["data"]
     inputs = local_inputs(config.get("config"), data["train"], data["eval"], config["model"])
@@ -163,7 +223,7 @@ def check_output(config: dict[str, Any], overwrite: bool) -> Path:
         config["output"],
         inputs,
         overwrite,
-        ours=is_checkpoint,
+        ours=_ours,  # a checkpoint, or an unfinished run's training state
         what="a headkit checkpoint",
     )
 
@@ -174,12 +234,20 @@ def run_train(
     progress: bool = True,
     overwrite: bool = False,
     device: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train the heads of a loaded config, save the checkpoint; return the per-epoch training
-    and validation losses, the epoch kept, the checkpoint and held-out metrics."""
+    and validation losses, the epoch kept, the checkpoint and held-out metrics. ``resume``:
+    continue from the training state an interrupted run left in the output folder."""
     from .datafiles import read_rows, require_columns, require_labels
+    from .train_config import STATE_FOLDER
 
-    check_output(config, overwrite)
+    if resume and not (Path(config["output"]) / STATE_FOLDER / "state.json").is_file():
+        raise ConfigError(
+            f"--resume: {config['output']!r} holds no training state ({STATE_FOLDER}/); "
+            "start the run without --resume"
+        )
+    check_output(config, overwrite or resume)
     data, training = config["data"], config["training"]
     rows = read_rows(data["train"], data["limit"], data["encoding"])
     if data["label_columns"]:  # a table of texts and labels: checked before torch is imported
@@ -195,7 +263,7 @@ def run_train(
     from ..loading import load_headed
     from .checkpoints import record_metrics, save_trained
     from .evaluate import run_eval
-    from .fitting import fit_heads
+    from .fitting import TrainingState, fit_heads
     from .options import resolve_device
     from .rewards import collator_for, data_format, encode_reward_rows
     from .rows import encode_rows, with_classes
@@ -236,14 +304,30 @@ def run_train(
             data["step_separator"],
         )
     collator = collator_for(model, tokenizer, kind)
-    fit = fit_heads(model, tokenizer, examples, training, progress, collator)
+    if kind is None:
+        _balanced_weights(model, examples)
+    fit = fit_heads(
+        model,
+        tokenizer,
+        examples,
+        training,
+        progress,
+        collator,
+        output=config["output"],
+        resume=resume,
+    )
+    calibration = _calibrate(model, tokenizer, examples, training) if kind is None else {}
     settings = {k: data[k] for k in ("text_column", "label_columns") if data[k] is not None}
     settings["max_length"] = training["max_length"]
     settings["data"] = {"train": data["train"], "eval": data["eval"]}  # for the model card
     if kind is not None:
         settings.update(format=kind, step_separator=data["step_separator"])
     out = save_trained(model, tokenizer, config["output"], settings)
+    TrainingState(out / STATE_FOLDER, model, None).remove()  # the checkpoint supersedes it
     result: dict[str, Any] = {
+        "resumed_after": fit.resumed_after,
+        "val_metrics": fit.val_metrics,
+        "calibration": calibration,
         "losses": fit.losses,
         "val_losses": fit.val_losses,
         "best_epoch": fit.best_epoch,
@@ -265,6 +349,44 @@ def run_train(
         )
         record_metrics(out, result["metrics"])  # the card's evaluation and model-index
     return result
+
+
+def _balanced_weights(model: Any, examples: list[dict]) -> None:
+    """Heads with ``class_weights: balanced`` get the weights of the training labels."""
+    for name, cfg in list(model.head_configs.items()):
+        if cfg.class_weights != "balanced":
+            continue
+        labels = []
+        for ex in examples:
+            y = ex.get(cfg.target)
+            labels.extend(y if isinstance(y, list) else [y])
+        resolved = cfg.with_class_weights(labels)
+        model.head_configs[name] = resolved
+        model.heads[name].config = resolved
+
+
+def _calibrate(model: Any, tokenizer: Any, examples: list[dict], training: dict) -> dict:
+    """Temperatures (and, with ``training.threshold``, thresholds) fitted on the validation
+    split, written into the heads' configs; {} without a validation split or with
+    ``training.calibrate: false``."""
+    from ..calibration import calibrate
+    from ..data.collator import HeadedCollator
+    from .fitting import validation_split
+
+    if not training["calibrate"]:
+        return {}
+    _, val_rows = validation_split(len(examples), training["validation_fraction"], training["seed"])
+    if not val_rows:
+        return {}
+    val_set = [examples[i] for i in val_rows]
+    collator = HeadedCollator(model, tokenizer)
+    return calibrate(
+        model,
+        val_set,
+        threshold=training["threshold"],
+        collator=collator,
+        batch_size=training["batch_size"],
+    )
 
 
 def _still_falling(fit: Any, training: dict[str, Any]) -> str | None:

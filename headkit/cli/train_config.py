@@ -45,6 +45,25 @@ def _auto(value: Any) -> Any:
     return None if value == "auto" else value
 
 
+def _none(value: Any) -> Any:
+    """``none`` (or ``null``) is None."""
+    return None if value == "none" else value
+
+
+def _reporters(value: Any) -> Any:
+    """``report_to``: a name or a list of names; ``none`` is the empty list."""
+    if value in ("none", None):
+        return []
+    return [value] if isinstance(value, str) else value
+
+
+#: Where a run keeps its training state (for ``--resume``) and its logs, in the output folder.
+STATE_FOLDER = "training_state"
+LOG_FOLDER = "logs"
+#: ``training.lr_schedule`` values and ``training.report_to`` names.
+SCHEDULES = ("constant", "linear", "cosine")
+REPORTERS = ("csv", "tensorboard")
+
 Positive = Annotated[int, Field(ge=1)]
 Rate = Annotated[float, Field(gt=0, allow_inf_nan=False), BeforeValidator(_number_text)]
 
@@ -79,6 +98,21 @@ class TrainingSection(_Section):
     use_cached_features: Literal["auto"] | bool = "auto"
     validation_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.1
     patience: Positive = 10
+    metric_for_best_model: str = "loss"
+    greater_is_better: bool | None = None
+    lr_schedule: Literal[SCHEDULES] = "constant"  # type: ignore[valid-type]
+    warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    weight_decay: Annotated[
+        float, Field(ge=0, allow_inf_nan=False), BeforeValidator(_number_text)
+    ] = 0.01
+    max_grad_norm: Annotated[Rate | None, BeforeValidator(_none)] = None
+    gradient_accumulation_steps: Positive = 1
+    bf16: bool = False
+    fp16: bool = False
+    report_to: Annotated[list[Literal[REPORTERS]], BeforeValidator(_reporters)] = []  # type: ignore[valid-type]
+    calibrate: bool = True
+    threshold: Annotated[Literal["f1", "accuracy"] | None, BeforeValidator(_none)] = None
 
 
 class ModelKwargs(_Section):
@@ -135,7 +169,21 @@ _ALLOWED = {
     "training.freeze_backbone": "true or false (YAML booleans, not text in quotes)",
     "training.use_cached_features": "auto, true or false",
     "training.validation_fraction": "a number in [0, 1): the share held out for early stopping",
-    "training.patience": "an integer >= 1 (epochs without a better validation loss)",
+    "training.patience": "an integer >= 1 (epochs without a better validation score)",
+    "training.metric_for_best_model": "loss, a metric (accuracy, macro_f1, mse, mae, r2) or "
+    "<head>_<metric>",
+    "training.greater_is_better": "true, false, or leave it out (by the metric)",
+    "training.lr_schedule": ", ".join(SCHEDULES),
+    "training.warmup_ratio": "a number in [0, 1): the share of steps with linear warm-up",
+    "training.warmup_steps": "an integer >= 0 (optimizer steps of linear warm-up)",
+    "training.weight_decay": "a finite number >= 0 (AdamW's decoupled weight decay)",
+    "training.max_grad_norm": "a finite number > 0 (clip the gradients' total norm), or none",
+    "training.gradient_accumulation_steps": "an integer >= 1 (batches per optimizer step)",
+    "training.bf16": "true or false (bfloat16 autocast)",
+    "training.fp16": "true or false (float16 autocast with a gradient scaler; a CUDA GPU)",
+    "training.report_to": f"none, or a list of {', '.join(REPORTERS)}",
+    "training.calibrate": "true or false (fit a temperature per classifier on validation)",
+    "training.threshold": "none, f1 or accuracy (choose binary heads' decision threshold)",
 }
 
 

@@ -32,6 +32,7 @@ def train_heads_on_features(
     seed: int = 0,
     max_steps: int | None = None,
     progress: bool = False,
+    steps: OptimizerSteps | None = None,
 ) -> list[float]:
     """Train the heads on cached features; return the mean total loss of each epoch.
 
@@ -40,7 +41,8 @@ def train_heads_on_features(
     visits rows in the order ``torch.randperm(n, generator=g)`` (its e-th call) with ``g``
     seeded once by ``seed``, in consecutive batches; ``torch.manual_seed(seed)`` is set
     first for dropout. Default optimizer: AdamW(lr) over the trainable head (and loss
-    weighting) parameters. ``max_steps`` stops early.
+    weighting) parameters. ``max_steps`` stops early. ``steps`` (an ``OptimizerSteps``) takes
+    over the optimizer steps: gradient accumulation, clipping and an lr schedule.
     """
     check_frozen(model)
     for field, value, low in (("epochs", epochs, 1), ("batch_size", batch_size, 1)):
@@ -54,6 +56,8 @@ def train_heads_on_features(
             f"no head has both a loss_fct and cached labels; cached targets: "
             f"{sorted(features.meta['labels'])}, heads: {_head_targets(model)}"
         )
+    if optimizer is None and steps is not None:
+        optimizer = steps.optimizer
     if optimizer is None:
         params = [
             p
@@ -71,7 +75,9 @@ def train_heads_on_features(
     model.heads.train()
     model.loss_weighting.train()
     epoch_losses: list[float] = []
-    steps = 0
+    steps_taken = 0
+    stepper = steps or OptimizerSteps(optimizer)
+    stepper.optimizer.zero_grad(set_to_none=True)
     try:
         for epoch in range(epochs):
             order = torch.randperm(n, generator=generator)
@@ -83,13 +89,11 @@ def train_heads_on_features(
                 loss = _batch_loss(model, plan, batch)
                 if loss is None:
                     continue
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                stepper.backward(loss, last=start + batch_size >= n)
                 total += float(loss.detach())
                 count += 1
-                steps += 1
-                if max_steps is not None and steps >= max_steps:
+                steps_taken += 1
+                if max_steps is not None and steps_taken >= max_steps:
                     break
             epoch_losses.append(total / count if count else float("nan"))
             if max_steps is not None and steps >= max_steps:
@@ -125,6 +129,55 @@ def predict_on_features(
     finally:
         model.heads.train(was)
     return {name: torch.cat(ps) for name, ps in parts.items()}
+
+
+class OptimizerSteps:
+    """How batches' losses become optimizer steps: ``backward(loss, last)`` after each batch
+    accumulates ``accumulation_steps`` batches' gradients (each loss divided by their
+    number), then clips the gradients' total norm to ``max_grad_norm`` (None: no clipping),
+    steps the optimizer and the ``scheduler`` (per optimizer step) and clears the gradients;
+    ``last`` (the epoch's last batch) steps whatever has accumulated. With a ``scaler``
+    (``torch.amp.GradScaler``, for fp16) the loss is scaled and the step unscaled first."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+        scaler: Any = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.accumulation_steps = accumulation_steps
+        self.scaler = scaler
+        self.pending = 0
+        self.steps = 0  # optimizer steps taken
+
+    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
+        scaled = loss / self.accumulation_steps
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        self.pending += 1
+        if self.pending >= self.accumulation_steps or last:
+            self.step()
+
+    def step(self) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending = 0
+        self.steps += 1
 
 
 def _head_targets(model: HeadedModel) -> dict[str, str | None]:

@@ -56,6 +56,11 @@ class LossSpec:
     predictions. ``zeroes_ignored`` (class losses): ``fn`` itself returns an exact 0 where the
     label is -100 (as ``F.cross_entropy(..., ignore_index=-100)`` does), so the loss needs no
     mask of its own (otherwise the skipped elements are set to 0 after ``fn``).
+    ``options``: the options ``fn`` takes as keywords and their defaults (a head sets them in
+    ``HeadConfig.loss_options``, e.g. focal's ``gamma``). ``pos_weight``: ``fn`` takes
+    ``pos_weight=`` (a tensor of one weight per output), which ``HeadConfig.pos_weight`` sets.
+    Class losses weigh each label by ``HeadConfig.class_weights`` (the weighted mean, as
+    ``cross_entropy(weight=)``).
     """
 
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,6 +72,8 @@ class LossSpec:
     threshold: float | None = None
     zeroes_ignored: bool = False
     pairwise: bool = False
+    options: Mapping[str, float] = field(default_factory=dict)
+    pos_weight: bool = False
 
     def __post_init__(self) -> None:
         if self.zeroes_ignored and not self.classes:
@@ -126,10 +133,35 @@ LOSSES.register(
 LOSSES.register(
     "bce_with_logits",
     LossSpec(
-        lambda p, y: F.binary_cross_entropy_with_logits(p, y, reduction="none"),
+        lambda p, y, pos_weight=None: F.binary_cross_entropy_with_logits(
+            p, y, reduction="none", pos_weight=pos_weight
+        ),
         ignores_minus_100=True,
         target_range=(0.0, 1.0),
         metric="binary",
+        pos_weight=True,
+    ),
+)
+
+
+def focal_loss(preds: torch.Tensor, labels: torch.Tensor, gamma: float = 2.0) -> torch.Tensor:
+    """Focal loss (Lin et al., 2017), per row: ``-(1 - p_y)^gamma * log p_y`` with ``p_y`` the
+    softmax probability of the label (``gamma=0`` is cross-entropy); 0 where the label is
+    -100. preds (N, C) logits, labels (N,) class indices."""
+    counted = labels != IGNORE_INDEX
+    log_p = F.log_softmax(preds, -1).gather(-1, torch.where(counted, labels, 0)[:, None])[:, 0]
+    loss = -((1 - log_p.exp()).clamp(min=0) ** gamma) * log_p
+    return torch.where(counted, loss, torch.zeros_like(loss))
+
+
+LOSSES.register(
+    "focal",
+    LossSpec(
+        focal_loss,
+        classes=True,
+        ignores_minus_100=True,
+        zeroes_ignored=True,
+        options={"gamma": 2.0},
     ),
 )
 
@@ -156,6 +188,36 @@ def task_of(cfg: HeadConfig) -> str:
     if cfg.is_regression:
         return "regression"
     return spec.metric if spec is not None else "classification"  # type: ignore[return-value]
+
+
+def probabilities(cfg: HeadConfig, preds: torch.Tensor) -> torch.Tensor:
+    """The head's outputs as probabilities, calibrated by ``cfg.temperature``: a softmax over
+    classes (classification), the positive probability per output (binary: the sigmoid of
+    logits, or probabilities rescaled in logit space)."""
+    t = float(cfg.temperature)
+    p = preds.float()
+    if task_of(cfg) != "binary":
+        return torch.softmax(p / t, -1)
+    spec = loss_spec(cfg)
+    if spec is not None and spec.needs_probabilities:
+        if t == 1.0:
+            return p
+        p = torch.logit(p.clamp(1e-7, 1 - 1e-7))
+    return torch.sigmoid(p / t)
+
+
+def decisions(cfg: HeadConfig, preds: torch.Tensor) -> torch.Tensor:
+    """The head's decisions: the class index (argmax, or with ``cfg.threshold`` on a two-class
+    head, class 1 when its probability is at least the threshold) or the 0/1 decision per
+    output of a binary head (its probability at least ``cfg.threshold``, else the loss's own
+    threshold on the raw outputs)."""
+    if task_of(cfg) == "binary":
+        if cfg.threshold is None:
+            return (preds > loss_spec(cfg).threshold).long()
+        return (probabilities(cfg, preds) >= cfg.threshold).long()
+    if cfg.threshold is not None and preds.shape[-1] == 2:
+        return (probabilities(cfg, preds)[..., 1] >= cfg.threshold).long()
+    return preds.argmax(-1)
 
 
 def _where(cfg: HeadConfig) -> str:
@@ -439,15 +501,39 @@ def counted_loss(cfg: HeadConfig, preds: torch.Tensor, counted: CountedLabels) -
     spec: LossSpec = LOSSES.get(cfg.loss_fct)
     if counted.shift:  # position t predicts token t+1
         preds = preds[:, :-1]
+    options = loss_options(cfg)
     if spec.classes:
-        per = spec.fn(preds.reshape(-1, preds.shape[-1]).float(), counted.target)
+        per = spec.fn(preds.reshape(-1, preds.shape[-1]).float(), counted.target, **options)
         zeroed = spec.zeroes_ignored
     else:
-        per = spec.fn(preds.float(), counted.target).reshape(-1)
+        if cfg.pos_weight is not None:
+            options["pos_weight"] = torch.tensor(
+                cfg.pos_weight, dtype=torch.float32, device=preds.device
+            ).reshape(-1)
+        per = spec.fn(preds.float(), counted.target, **options).reshape(-1)
         zeroed = False
     if counted.counts is not None and not zeroed:
         per = per.masked_fill(counted.skipped(), 0)
+    if spec.classes and cfg.class_weights is not None:
+        return _weighted_mean(cfg, per, counted)
     return per.sum() / counted.total
+
+
+def _weighted_mean(cfg: HeadConfig, per: torch.Tensor, counted: CountedLabels) -> torch.Tensor:
+    """``sum(w_y * loss) / sum(w_y)`` over the labels that count, as
+    ``F.cross_entropy(weight=)`` computes it."""
+    if not isinstance(cfg.class_weights, list):
+        raise ConfigError(
+            f"{_where(cfg)}: class_weights={cfg.class_weights!r} is not resolved yet; compute "
+            "the weights from the training labels first (HeadConfig.with_class_weights(labels), "
+            "or headkit train does it)"
+        )
+    table = torch.tensor(cfg.class_weights, dtype=per.dtype, device=per.device)
+    weights = table[counted.target.clamp(min=0)]
+    if counted.counts is not None:
+        weights = weights.masked_fill(counted.skipped(), 0)
+    total = weights.sum()
+    return (per * weights).sum() / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def _pair_loss(
@@ -546,6 +632,28 @@ def _count_values(
 def _total(counts: torch.Tensor) -> torch.Tensor:
     """How many elements count, at least 1 (the denominator of a head's mean loss)."""
     return counts.to(torch.float32).sum().clamp(min=1)
+
+
+def loss_options(cfg: HeadConfig) -> dict[str, Any]:
+    """The keyword options of the head's loss function: its spec's defaults, updated by
+    ``cfg.loss_options``."""
+    spec = loss_spec(cfg)
+    if spec is None:
+        return {}
+    return {**spec.options, **cfg.loss_options}
+
+
+def balanced_class_weights(labels: Any, num_classes: int) -> list[float]:
+    """scikit-learn's ``"balanced"`` weights: ``n / (num_classes * count_c)`` per class, from
+    the training labels (class indices; -100 skipped); a class absent from them is counted
+    once (``n / num_classes``)."""
+    y = torch.as_tensor(labels).reshape(-1).long()
+    y = y[y != IGNORE_INDEX]
+    if len(y) == 0:
+        raise ConfigError("class_weights='balanced' needs training labels; none were given")
+    counts = torch.bincount(y, minlength=num_classes).double()
+    weights = len(y) / (num_classes * counts.clamp(min=1))
+    return [float(w) for w in weights]
 
 
 _NUMERIC = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool}

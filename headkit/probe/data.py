@@ -132,6 +132,7 @@ class ProbeRows:
     y: torch.Tensor  # (R,) class index or value
     keys: list[str]  # per row: the input text or word type (control task)
     classes: list[Any] | None
+    target_scale: tuple[float, float] | None = None  # regression: raw = y * scale + shift
 
 
 def prepare_rows(tokenizer, texts, labels, task, max_length) -> ProbeRows:
@@ -139,7 +140,8 @@ def prepare_rows(tokenizer, texts, labels, task, max_length) -> ProbeRows:
         examples = encode_texts(tokenizer, texts, max_length)
         y, classes = _label_tensor(list(labels), task == "regression", "labels")
         n = len(examples)
-        return ProbeRows(examples, torch.arange(n), None, y, list(texts), classes)
+        scale = _target_scale(labels) if task == "regression" else None
+        return ProbeRows(examples, torch.arange(n), None, y, list(texts), classes, scale)
     words = [split_words(t, f"texts[{i}]") for i, t in enumerate(texts)]
     per_word = [
         split_words(v, f"labels[{i}]") if isinstance(v, str) else list(v)
@@ -176,12 +178,13 @@ def media_rows(examples: list[dict], keys: list[str], labels, task: str) -> Prob
             value="token",
         )
     y, classes = _label_tensor(list(labels), task == "regression", "labels")
-    return ProbeRows(examples, torch.arange(len(examples)), None, y, keys, classes)
+    scale = _target_scale(labels) if task == "regression" else None
+    return ProbeRows(examples, torch.arange(len(examples)), None, y, keys, classes, scale)
 
 
 def _label_tensor(values: list, regression: bool, what: str) -> tuple[torch.Tensor, list | None]:
     if regression:
-        return _regression_targets(values, what), None
+        return _regression_targets(values, what)[0], None
     values = [as_class(v) for v in values]
     try:
         classes = sorted(set(values))
@@ -193,7 +196,12 @@ def _label_tensor(values: list, regression: bool, what: str) -> tuple[torch.Tens
     return torch.tensor([index[v] for v in values]), classes
 
 
-def _regression_targets(values: list, what: str) -> torch.Tensor:
+def _target_scale(values: Any) -> tuple[float, float]:
+    """(scale, shift) that map the standardised targets back: raw = y * scale + shift."""
+    return _regression_targets(list(values), "labels")[1]
+
+
+def _regression_targets(values: list, what: str) -> tuple[torch.Tensor, tuple[float, float]]:
     """Finite, varying targets, standardised (in float64, scaled first so that squares of
     large values cannot overflow). R^2 and the ridge fit's choice of L2 do not change under
     an affine map of the targets, so scores are those of the raw values, computed stably."""
@@ -209,13 +217,15 @@ def _regression_targets(values: list, what: str) -> torch.Tensor:
             f"{what}: regression labels must be finite numbers; {len(where)} are not (at "
             f"{where[:10]}: {[values[i] for i in where[:3]]})"
         )
-    y = y / y.abs().max().clamp(min=1e-300)
+    peak = float(y.abs().max().clamp(min=1e-300))
+    y = y / peak
     spread = float(y.std()) if len(y) > 1 else 0.0
     if not spread > 1e-12:
         raise ConfigError(
             f"{what}: every regression label is {values[0]!r}; R^2 needs targets that vary"
         )
-    return ((y - y.mean()) / spread).float()
+    mean = float(y.mean())
+    return ((y - mean) / spread).float(), (spread * peak, mean * peak)
 
 
 def _is_number(v: Any) -> bool:
@@ -227,33 +237,53 @@ def _is_number(v: Any) -> bool:
 
 
 def split_rows(
-    rows: ProbeRows, test_fraction, val_fraction, val_splits, seed, test_from: int | None = None
+    rows: ProbeRows,
+    test_fraction: float,
+    val_fraction: float,
+    val_splits: int,
+    seed: int,
+    test_from: int | None = None,
+    folds: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Row masks: "test", "train" (R,), and "fit" (S, R_train) per validation split; split by
     example. ``test_from``: the examples from this index on are a given test split (else
-    ``test_fraction`` of the examples is held out at random)."""
+    ``test_fraction`` of the examples is held out at random). ``folds``: the validation
+    splits are the ``folds`` folds of k-fold cross-validation (each training example
+    validates once), else ``val_splits`` random draws of ``val_fraction``.
+
+    Classification (sequence tasks) draws every split stratified: each class keeps its share
+    in the held-out split, in every fold and in every validation split (``_stratified_order``).
+    """
     n = len(rows.examples)
+    strata = _example_classes(rows)
     is_test = torch.zeros(n, dtype=torch.bool)
     if test_from is None:
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        order = _stratified_order(torch.arange(n), strata, seed)
         n_test = max(1, round(n * test_fraction))
-        is_test[perm[:n_test]] = True
+        is_test[order[:n_test]] = True
     else:
         n_test = n - test_from
         is_test[test_from:] = True
     train_examples = torch.nonzero(~is_test)[:, 0]
     n_val = max(1, round(len(train_examples) * val_fraction))
-    if len(train_examples) - n_val < 2:
+    if folds is not None:
+        n_val = -(-len(train_examples) // folds)  # the largest fold
+    if len(train_examples) - n_val < 2 or (folds is not None and len(train_examples) < folds):
+        how = f"{folds} folds" if folds is not None else f"validation ({n_val})"
         raise ConfigError(
             f"{n} examples leave {len(train_examples) - n_val} to train on after the held-out "
-            f"({n_test}) and validation ({n_val}) splits; give more examples"
+            f"({n_test}) and {how} splits; give more examples"
         )
-    fit_examples = torch.ones(val_splits, n, dtype=torch.bool)
-    for s in range(val_splits):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (s + 1))
-        fit_examples[
-            s, train_examples[torch.randperm(len(train_examples), generator=g)[:n_val]]
-        ] = False
+    splits = folds if folds is not None else val_splits
+    fit_examples = torch.ones(splits, n, dtype=torch.bool)
+    if folds is not None:
+        order = _grouped_order(train_examples, strata, seed * 1_000_003 + 7919)
+        for s in range(folds):
+            fit_examples[s, order[s::folds]] = False  # round robin: each class spread evenly
+    else:
+        for s in range(val_splits):
+            order = _stratified_order(train_examples, strata, seed * 1_000_003 + 7919 * (s + 1))
+            fit_examples[s, order[:n_val]] = False
     test = is_test[rows.example]
     train = ~test
     if rows.classes is None and bool(test.any()):
@@ -269,6 +299,41 @@ def split_rows(
             "the held-out, fit or validation split has no labelled rows; give more examples"
         )
     return {"test": test, "train": train, "fit": fit}
+
+
+def _example_classes(rows: ProbeRows) -> torch.Tensor | None:
+    """Each example's class, for stratified splits (None: regression or token tasks, whose
+    examples hold many labels or none)."""
+    if rows.classes is None or rows.position is not None:
+        return None
+    return rows.y
+
+
+def _grouped_order(examples: torch.Tensor, strata: torch.Tensor | None, seed: int):
+    """``examples`` shuffled with ``seed``, then grouped by class: dealing them round robin
+    into k folds gives each fold its class's share (within one example)."""
+    perm = examples[torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed))]
+    if strata is None:
+        return perm
+    return perm[torch.sort(strata[perm], stable=True).indices]
+
+
+def _stratified_order(examples: torch.Tensor, strata: torch.Tensor | None, seed: int):
+    """``examples`` in a random order (drawn with ``seed``) in which every prefix holds each
+    class in its share: an example's key is (its rank among its class, shuffled) / (its
+    class's count), so taking the first k (or every k-th) stratifies. Without ``strata``:
+    a plain random order."""
+    perm = examples[torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed))]
+    if strata is None:
+        return perm
+    cls = strata[perm]
+    counts = torch.bincount(cls)
+    rank = torch.zeros(len(perm), dtype=torch.float64)
+    for c in torch.unique(cls).tolist():
+        members = cls == c
+        rank[members] = torch.arange(int(members.sum()), dtype=torch.float64)
+    key = (rank + 0.5) / counts[cls].double()
+    return perm[torch.sort(key, stable=True).indices]
 
 
 def control_labels(rows: ProbeRows, train: torch.Tensor, seed: int) -> torch.Tensor:

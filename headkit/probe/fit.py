@@ -85,17 +85,36 @@ class FitScores:
     test: torch.Tensor
     l2: torch.Tensor
     test_items: torch.Tensor
+    refit: Refit | None = None
+    val_loss: torch.Tensor | None = None
 
 
-def standardise(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
-    """Centre and scale each feature of each problem (B, N, d) by the training rows' statistics.
+@dataclass
+class Refit:
+    """The probe refitted on every training row with the L2 the validation splits chose most
+    often (ties: the stronger): ``weight`` (B, d, V, C) and ``bias`` (B, V, C) on the
+    standardised features (C = 1 for regression), ``l2`` and ``train`` score (B, V)."""
 
-    A feature that is constant on the training rows becomes 0 everywhere (not noise / 1e-6).
-    """
+    weight: torch.Tensor
+    bias: torch.Tensor
+    l2: torch.Tensor
+    train: torch.Tensor
+
+
+def standardisation(train: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, scale) of each feature of each problem (B, N, d) over the training rows, each
+    (B, 1, d): standardised = (x - mean) * scale. A feature that is constant on the training
+    rows gets scale 0 (it becomes 0 everywhere, not noise / 1e-6)."""
     mu = train.mean(1, keepdim=True)
     sd = train.std(1, keepdim=True)
     flat = sd <= 1e-6 * (mu.abs() + 1.0)
-    scale = torch.where(flat, torch.zeros_like(sd), 1.0 / sd.clamp(min=1e-30))
+    return mu, torch.where(flat, torch.zeros_like(sd), 1.0 / sd.clamp(min=1e-30))
+
+
+def standardise(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
+    """Centre and scale each feature of each problem (B, N, d) by the training rows'
+    statistics (``standardisation``)."""
+    mu, scale = standardisation(train)
     return [(x - mu) * scale for x in (train, *others)]
 
 
@@ -110,14 +129,19 @@ def fit_and_score(
     max_iter: int = 200,
     tol: float = 1e-4,
     bar: tqdm | None = None,
+    refit: bool = False,
+    select: str = "accuracy",
 ) -> FitScores:
     """Train every probe on standardised ``x_train`` (B, N, d) and score the chosen ones.
 
     ``y_train`` (V, N) and ``y_test`` (V, n_test): class indices (``num_classes`` given) or
-    values (``num_classes=None``: ridge). ``fit`` (S, N) bool: the rows each validation split trains
-    on;
-    the others validate. ``l2`` (K,).
+    values (``num_classes=None``: ridge). ``fit`` (S, N) bool: the rows each validation split
+    trains on; the others validate. ``l2`` (K,). ``refit``: also fit every training row with
+    the L2 the splits chose (``FitScores.refit``), in the same batched solve.
     """
+    n_splits = fit.shape[0]
+    if refit:
+        fit = torch.cat([fit, torch.ones_like(fit[:1])])  # the last "split": every row
     fit_w = fit.float() / fit.sum(1, keepdim=True).float()  # (S, N), 1/n_fit on fit rows
     val = ~fit
     val_w = val.float() / val.sum(1, keepdim=True).clamp(min=1).float()
@@ -130,12 +154,27 @@ def fit_and_score(
         val_score = _weighted_r2(pred, y_train.float(), val_w)
     else:
         w, b = _fit_softmax(x_train, y_train, fit_w, l2, num_classes, max_iter, tol, bar)
-        correct = (_linear(x_train, w, b).argmax(-1) == _lead(y_train, 2)).float()
+        logits = _linear(x_train, w, b)  # (B, N, S, V, K, C)
+        correct = (logits.argmax(-1) == _lead(y_train, 2)).float()
         train_score = torch.einsum("bnsvk,sn->bsvk", correct, fit_w)
         val_score = torch.einsum("bnsvk,sn->bsvk", correct, val_w)
+        label = _lead(y_train, 2)[..., None].expand(*logits.shape[:-1], 1)
+        nll = -torch.log_softmax(logits, -1).gather(-1, label)[..., 0]  # (B, N, S, V, K)
+        val_loss = torch.einsum("bnsvk,sn->bsvk", nll, val_w)
+        del logits, nll
+    if num_classes is None:
+        val_loss = -val_score  # ridge: R^2 is already a continuous score
+    # what L2 and layers are chosen on: the validation score, or (select="loss") minus the
+    # validation log-loss, a smoother criterion than accuracy on a few hundred rows
+    criterion = -val_loss if select == "loss" else val_score
+    if refit:
+        kept = _refit(w, b, train_score, criterion, l2, n_splits, num_classes is None)
+        w, b = w[:, :, :n_splits], b[:, :n_splits]
+        train_score, val_score = train_score[:, :n_splits], val_score[:, :n_splits]
+        val_loss, criterion = val_loss[:, :n_splits], criterion[:, :n_splits]
     # Best validation score; ties go to the stronger penalty (the later grid entry if sorted).
     order = torch.argsort(torch.argsort(l2)).to(val_score)  # rank of each l2, 0 = weakest
-    pick = (val_score + order * 1e-7).argmax(-1)  # (B, S, V)
+    pick = (criterion + order * 1e-7).argmax(-1)  # (B, S, V)
     gather = pick[..., None]
     test_pred = _linear(x_test, w, b)  # (B, n_test, S, V, K[, C])
     idx = gather[:, None].expand(-1, test_pred.shape[1], -1, -1, -1)
@@ -149,10 +188,31 @@ def fit_and_score(
     return FitScores(
         train=train_score.gather(-1, gather)[..., 0],
         val=val_score.gather(-1, gather)[..., 0],
+        val_loss=val_loss.gather(-1, gather)[..., 0],
         test=score_items(items, y_test, num_classes is None),
         l2=l2[pick],
         test_items=items,
+        refit=kept if refit else None,
     )
+
+
+def _refit(w, b, train_score, val_score, l2, n_splits: int, regression: bool) -> Refit:
+    """The last split's probes (fitted on every training row) at the L2 the first
+    ``n_splits`` splits chose most often (ties: the stronger penalty)."""
+    order = torch.argsort(torch.argsort(l2))  # rank of each l2, 0 = weakest
+    picks = (val_score[:, :n_splits] + order.to(val_score) * 1e-7).argmax(-1)  # (B, S, V)
+    votes = torch.nn.functional.one_hot(picks, l2.numel()).sum(1).double()  # (B, V, K)
+    chosen = (votes + order.double() * 1e-3).argmax(-1)  # (B, V)
+    last = w[:, :, n_splits]  # (B, d, V, K[, C])
+    if regression:
+        last, bias = last[..., None], b[:, n_splits][..., None]  # C = 1
+    else:
+        bias = b[:, n_splits]
+    at = chosen[:, None, :, None, None].expand(-1, last.shape[1], -1, 1, last.shape[-1])
+    weight = last.gather(3, at)[:, :, :, 0]  # (B, d, V, C)
+    bias = bias.gather(2, chosen[:, :, None, None].expand(-1, -1, 1, bias.shape[-1]))[:, :, 0]
+    train = train_score[:, n_splits].gather(-1, chosen[..., None])[..., 0]
+    return Refit(weight=weight, bias=bias, l2=l2[chosen], train=train)
 
 
 def score_items(items: torch.Tensor, y: torch.Tensor, regression: bool) -> torch.Tensor:

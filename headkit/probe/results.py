@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..model.headed import HeadedModel
 
 #: What the plot's error bars are, as the plot says it.
 ERROR_BARS = "95% bootstrap interval over held-out rows"
@@ -19,10 +24,17 @@ ERROR_BARS = "95% bootstrap interval over held-out rows"
 class ProbeRow:
     """One probe's held-out score and what to compare it with.
 
-    ``score`` is the held-out metric averaged over validation splits (``accuracy`` or ``r2`` in
-    JSON), ``std`` its standard deviation over them (None for one split), ``ci95`` a 95%
-    bootstrap interval of ``score`` over held-out rows. ``control`` / ``selectivity`` are None
-    unless the sweep ran a control task; ``l2`` is the penalty chosen on validation, per split.
+    ``score`` is the held-out metric (``accuracy`` or ``r2`` in JSON) of the probe refitted on
+    every training example with ``refit_l2`` (the penalty the validation splits chose most
+    often); ``val_score`` the validation score averaged over the splits (what ``best`` picks
+    on); ``std`` the spread of the split probes' held-out scores (None for one split);
+    ``ci95`` a 95% bootstrap interval of ``score`` over held-out rows; ``l2`` the penalty
+    chosen per split. ``control`` / ``selectivity`` are None unless the sweep ran a control
+    task. The refitted probe's held-out outputs: ``predictions`` (class indices, or values),
+    ``probabilities`` (per class; None for regression) and ``metrics`` (per-class precision,
+    recall, F1, macro/micro averages, the confusion matrix, AUROC and average precision for
+    two classes; mse/mae/r2 for regression). ``weight`` (C, d) and ``bias`` (C,) are its
+    Linear layer on the raw pooled features (``ProbeResults.to_headed``).
     """
 
     layer: int
@@ -38,6 +50,52 @@ class ProbeRow:
     control_train: float | None = None
     control_std: float | None = None
     selectivity: float | None = None
+    refit_l2: float | None = None
+    predictions: list[Any] = field(default_factory=list, repr=False)
+    probabilities: list[list[float]] | None = field(default=None, repr=False)
+    metrics: dict[str, Any] = field(default_factory=dict, repr=False)
+    weight: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    bias: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def set_outputs(
+        self,
+        outputs: torch.Tensor,
+        labels: torch.Tensor,
+        classes: list[Any] | None,
+        target_scale: tuple[float, float] | None,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+    ) -> None:
+        """Record the refitted probe's held-out ``outputs`` (n, C) against ``labels`` (n,):
+        predictions, probabilities and metrics (regression: values in the labels' units)."""
+        import numpy as np
+        import torch
+
+        from ..metrics import confusion_report, ranking_report
+
+        if classes is None:  # ridge: outputs and labels are standardised targets
+            scale, shift = target_scale or (1.0, 0.0)
+            self.weight, self.bias = weight * scale, bias * scale + shift
+            pred = outputs[:, 0].double() * scale + shift
+            truth = labels.double() * scale + shift
+            err = pred - truth
+            self.predictions = pred.tolist()
+            self.metrics = {
+                "r2": self.score,
+                "mse": float((err * err).mean()),
+                "mae": float(err.abs().mean()),
+            }
+            return
+        self.weight, self.bias = weight, bias
+        probs = torch.softmax(outputs.double(), -1)
+        hat = outputs.argmax(-1)
+        self.predictions = hat.tolist()
+        self.probabilities = probs.tolist()
+        c = len(classes)
+        confusion = np.bincount((labels * c + hat).numpy(), minlength=c * c).reshape(c, c)
+        self.metrics = confusion_report(confusion, classes)
+        if c == 2:
+            self.metrics.update(ranking_report(labels.numpy(), probs[:, 1].numpy()))
 
     def to_dict(self, metric: str) -> dict[str, Any]:
         """JSON keys: ``accuracy``/``r2``, ``train_<metric>``, ``val_<metric>``, ``std``,
@@ -53,6 +111,8 @@ class ProbeRow:
             "ci95": list(self.ci95),
             "baseline": self.baseline,
             "l2": self.l2,
+            "refit_l2": self.refit_l2,
+            "metrics": self.metrics,
         }
         if self.control is not None:
             out[f"control_{metric}"] = self.control
@@ -69,7 +129,9 @@ class ProbeResults:
     ``metric`` is "accuracy" (classification, token) or "r2" (regression); ``baseline`` the
     held-out score of the majority class (or of the training mean for r2); ``test_index``
     the positions (in the input order) of the held-out examples (in ``test_inputs`` when a
-    test split was given).
+    test split was given); ``test_labels`` the held-out rows' labels (class indices into
+    ``classes``, or values), in the order of every row's ``predictions``. ``val_splits`` is
+    the number of validation splits (the folds, with ``settings["folds"]``).
     """
 
     task: str
@@ -87,6 +149,8 @@ class ProbeResults:
     test_index: list[int] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    test_labels: list[Any] = field(default_factory=list, repr=False)
+    source: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def layers(self) -> list[int]:
@@ -122,11 +186,30 @@ class ProbeResults:
 
     # ------------------------------------------------------------------ export
     def to_dict(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if k != "rows"}
+        """Everything but the weights: the settings, one dict per row (``ProbeRow.to_dict``)
+        and ``test_predictions``, the best row's held-out outputs (``index``: positions in
+        the inputs, ``labels``, ``predictions``, ``probabilities``)."""
+        skip = ("rows", "source", "test_labels")
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         data["layers"] = self.layers
         data["poolings"] = self.poolings
         data["rows"] = [r.to_dict(self.metric) for r in self.rows]
+        best = self.best()
+        data["test_predictions"] = {
+            "layer": best.layer,
+            "pooling": best.pooling,
+            "index": self.test_index if len(self.test_index) == len(self.test_labels) else None,
+            "labels": self._named(self.test_labels),
+            "predictions": self._named(best.predictions),
+            "probabilities": best.probabilities,
+        }
         return data
+
+    def _named(self, values: list[Any]) -> list[Any]:
+        """Class indices as the classes they stand for (values unchanged)."""
+        if self.classes is None:
+            return list(values)
+        return [self.classes[i] for i in values]
 
     def to_json(self, path: str | PathLike | None = None) -> str:
         """The JSON text; also written to ``path`` when given."""
@@ -139,7 +222,8 @@ class ProbeResults:
         """A plain-text table: layer, score ± std, 95% interval, train score, control,
         selectivity and baseline."""
         m = self.metric
-        head = ["pooling", "layer", f"{m} ± std", "95% interval", f"train {m}"]
+        extra = self._extra_columns()
+        head = ["pooling", "layer", f"{m} ± std", "95% interval", *extra, f"train {m}"]
         if self.control:
             head += [f"control {m}", "selectivity"]
         head += ["baseline"]
@@ -147,7 +231,9 @@ class ProbeResults:
         for r in self.rows:
             spread = f" ± {r.std:.3f}" if r.std is not None else ""
             cells = [r.pooling, str(r.layer), f"{r.score:.3f}{spread}"]
-            cells += [f"[{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]", f"{r.train_score:.3f}"]
+            cells += [f"[{r.ci95[0]:.3f}, {r.ci95[1]:.3f}]"]
+            cells += [_cell(r.metrics.get(extra[k])) for k in extra]
+            cells += [f"{r.train_score:.3f}"]
             if self.control:
                 cells += [f"{r.control:.3f}", f"{r.selectivity:+.3f}"]
             cells += [f"{r.baseline:.3f}"]
@@ -156,14 +242,92 @@ class ProbeResults:
         text = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines]
         text.insert(1, "  ".join("-" * w for w in widths))
         best = self.best()
-        splits = "validation split" if self.val_splits == 1 else "validation splits"
+        folds = self.settings.get("folds")
+        if folds:
+            how = f"mean over {folds} folds (folds)"
+        else:
+            splits = "validation split" if self.val_splits == 1 else "validation splits"
+            how = f"mean over {self.val_splits} {splits} (val_splits)"
         text.append(
-            f"best on validation: layer {best.layer} ({best.pooling}), held-out {m} "
+            f"best on validation ({how}): layer {best.layer} ({best.pooling}), held-out {m} "
             f"{best.score:.3f}; baseline {self.baseline:.3f} "
-            f"({'majority class' if m == 'accuracy' else 'training mean'}); "
-            f"scores averaged over {self.val_splits} {splits} (val_splits)"
+            f"({'majority class' if m == 'accuracy' else 'training mean'}); each probe refitted "
+            "on every training example"
         )
+        if self.classes is not None:
+            text.append(f"per class, layer {best.layer} ({best.pooling}):")
+            text.append(self.class_table(best))
         return "\n".join(text)
+
+    def _extra_columns(self) -> dict[str, str]:
+        """{column: metrics key} shown beside the score: macro-F1, and AUROC for 2 classes."""
+        if self.classes is None:
+            return {}
+        columns = {"macro F1": "macro_f1"}
+        if len(self.classes) == 2:
+            columns["AUROC"] = "auroc"
+        return columns
+
+    def class_table(self, row: ProbeRow | None = None) -> str:
+        """Per-class precision, recall, F1 and support of a row (default: the best), and
+        its confusion matrix (rows: labels, columns: predictions)."""
+        row = row or self.best()
+        per = row.metrics.get("per_class", {})
+        lines = [["class", "precision", "recall", "f1", "support"]]
+        for name, m in per.items():
+            cells = [f"{m['precision']:.3f}", f"{m['recall']:.3f}", f"{m['f1']:.3f}"]
+            lines.append([name, *cells, str(m["support"])])
+        widths = [max(len(r[i]) for r in lines) for i in range(5)]
+        out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
+        matrix = row.metrics.get("confusion_matrix", [])
+        out.append("confusion matrix (rows: labels, columns: predictions):")
+        width = max([len(str(v)) for r in matrix for v in r] + [1])
+        out += ["  " + " ".join(str(v).rjust(width) for v in r) for r in matrix]
+        return "\n".join(out)
+
+    # ------------------------------------------------------------------ deploy
+    def to_headed(
+        self,
+        layer: int | None = None,
+        pooling: str | None = None,
+        *,
+        model: Any = None,
+        name: str = "probe",
+    ) -> HeadedModel:
+        """The probe of ``layer`` and ``pooling`` (default: ``best()``) as a ``HeadedModel``
+        head: one Linear layer whose weights are the refitted probe's (standardisation folded
+        in), reading the same layer and pooling, so its predictions on the held-out inputs
+        are the probe's. ``model``: the backbone to attach it to (default: the sweep's own,
+        loaded again from its path). Save it with ``save_pretrained``, export or serve it."""
+        import torch
+
+        from ..config import HeadConfig
+
+        row = (
+            self.best()
+            if layer is None and pooling is None
+            else self.row(self.best().layer if layer is None else layer, pooling)
+        )
+        if row.weight is None or row.bias is None:
+            raise ConfigError(
+                f"the probe of layer {row.layer} ({row.pooling}) has no weights (a ProbeRow "
+                "built by hand keeps none); run probe_layers to get a head"
+            )
+        fields_ = {"name": name, "layer_hook": row.layer, "num_outputs": row.weight.shape[0]}
+        fields_["output_bias"] = True
+        if self.task != "token":
+            fields_.update(pred_for_sequence=True, pooling=row.pooling)
+        if self.classes is None:
+            fields_.update(is_regression=True, loss_fct="mse")
+        else:
+            fields_["extra"] = {"classes": _json_classes(self.classes)}
+        cfg = HeadConfig(**fields_)
+        headed = _attach(model if model is not None else self.source, cfg)
+        linear = headed.heads[name].linears[0]
+        with torch.no_grad():
+            linear.weight.copy_(row.weight.to(linear.weight))
+            linear.bias.copy_(row.bias.to(linear.bias))
+        return headed.eval()
 
     def plot(
         self, path: str | PathLike | None = None, title: str | None = None, ax: Any = None
@@ -220,6 +384,37 @@ class ProbeResults:
         fig.savefig(out, dpi=110)
         plt.close(fig)
         return out
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+
+def _json_classes(classes: list[Any]) -> list[Any]:
+    """Classes as JSON values (a checkpoint stores them): numbers and strings as they are."""
+    return [c if isinstance(c, (str, int, float, bool)) else str(c) for c in classes]
+
+
+def _attach(source: Any, cfg: Any) -> HeadedModel:
+    """A HeadedModel with the head ``cfg`` on ``source``: a model object, or the sweep's
+    (model, model_kwargs) — a path, hub id or ``packaged:`` name loaded with ``load_headed``
+    (so a saved checkpoint references the backbone's folder)."""
+    from ..backbone.sources import resolve_model
+    from ..loading import load_headed
+    from ..model.headed import HeadedModel
+
+    if isinstance(source, tuple):
+        model, kwargs = source
+    else:
+        model, kwargs = source, {}
+    if isinstance(model, HeadedModel):
+        model = model.backbone
+    if isinstance(model, (str, PathLike)):
+        path, kwargs = resolve_model(model, kwargs)
+        return load_headed(path, head_configs=[cfg], **kwargs)
+    if model is None:
+        raise ConfigError("model=None: pass the backbone to attach the probe to (model=...)")
+    return load_headed(model, head_configs=[cfg])
 
 
 def _finite(value: Any) -> Any:

@@ -5,12 +5,16 @@ layer (``cache_features`` with one feature head per layer and pooling), then tra
 linear probe per (layer, pooling) on the cached features — all of them together, batched
 (``headkit.probe.fit``) — and scores each on a held-out split:
 
-- held-out split: ``test_fraction`` of the examples, drawn with ``seed`` (the same for every
-  validation split);
-- validation splits (``val_splits`` of them): each holds back a different ``val_fraction`` of
-  the training examples to choose the L2 penalty on, and trains on the rest; ``std`` is the
-  spread over the splits, ``ci95`` a bootstrap interval over held-out rows of the
-  split-averaged score;
+- held-out split: ``test_fraction`` of the examples, drawn with ``seed`` (stratified by
+  class for classification);
+- validation: ``folds``-fold cross-validation (5 by default; stratified), or ``val_splits``
+  random splits each holding back ``val_fraction`` of the training examples, choose the L2
+  penalty; ``val_score`` (what ``best()`` picks the layer on) is their mean validation score;
+- each probe is then refitted on every training example with the L2 chosen most often: its
+  held-out score is ``score`` (``ci95`` a bootstrap interval over held-out rows), its outputs
+  the per-example ``predictions`` / ``probabilities`` and ``metrics``, its weights (folded onto
+  the raw features) what ``ProbeResults.to_headed`` builds a head from; ``std`` is the spread
+  of the split probes' held-out scores;
 - features are standardised per layer with the training split's statistics;
 - control task (Hewitt & Liang, 2019): each distinct input text (sequence tasks) or word type
   (token tasks) gets a fixed random label drawn from the training labels; probes are trained
@@ -26,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -53,7 +58,8 @@ from .fit import (
     check_penalties,
     fit_and_score,
     fit_threads,
-    standardise,
+    score_items,
+    standardisation,
 )
 from .results import ProbeResults, ProbeRow
 
@@ -75,7 +81,8 @@ def probe_layers(
     tokenizer: Any = None,
     processor: Any = None,
     control: bool = False,
-    val_splits: int = 1,
+    val_splits: int | None = None,
+    folds: int | None = None,
     seed: int = 0,
     test_fraction: float = 0.2,
     val_fraction: float = 0.2,
@@ -99,12 +106,16 @@ def probe_layers(
     one class per word, on its first sub-token). ``test_inputs``/``test_labels``: score on this
     given split instead of holding out ``test_fraction`` (validation still comes from
     ``inputs``; ``n_test`` counts the given rows). ``layers`` index ``hidden_states`` as HF
-    does (``parse_layers``); ``pooling`` may name several (``parse_poolings``); ``val_splits``
-    validation splits choose the L2 penalty; ``seed`` draws every split (module docstring).
+    does (``parse_layers``); ``pooling`` may name several (``parse_poolings``). The L2 penalty
+    and the best layer are chosen on validation: ``folds``-fold cross-validation (default 5
+    folds when neither is given), or ``val_splits`` random validation splits of
+    ``val_fraction``; then each probe is refitted on every training example and scored held
+    out. ``seed`` draws every split; classification splits are stratified (module docstring).
     The backbone is left as it was. Under torchrun or ``accelerate launch`` the backbone passes
     are split over the ranks and every rank returns the results one process would.
     """
     inputs, labels, given = _inputs_and_test_split(inputs, texts, labels, test_inputs, test_labels)
+    val_splits, folds = _validation(val_splits, folds)
     _check_args(
         task, pooling, val_splits, test_fraction, val_fraction, l2, bootstrap, inputs, labels
     )
@@ -113,6 +124,7 @@ def probe_layers(
     settings = _settings(
         seed, val_fraction, max_length, bootstrap, n_examples, given, test_fraction
     )
+    settings["folds"] = folds
     rank, world = ranks.current()  # under torchrun: the backbone passes split over the ranks
     progress = progress and rank == 0
     lap = _Laps()
@@ -126,7 +138,7 @@ def probe_layers(
     features = _features(backbone, rows, chosen, poolings, batch_size, progress, world)
     lap("features")
     test_from = None if given is None else n_examples  # examples from here on: the given split
-    split = split_rows(rows, test_fraction, val_fraction, val_splits, seed, test_from)
+    split = split_rows(rows, test_fraction, val_fraction, val_splits, seed, test_from, folds)
     with fit_threads():  # small matrices: one thread, never oversubscribed (fit.py)
         y, penalties, scores = _score(
             features, rows, split, control, seed, l2, max_iter, tol, bootstrap, progress
@@ -138,7 +150,16 @@ def probe_layers(
         metric="r2" if task == "regression" else "accuracy",
         model=describe(model),
         num_layers=num_layers,
-        rows=_result_rows(scores, chosen, poolings or ["token"], baseline, val_splits, control),
+        rows=_result_rows(
+            scores,
+            chosen,
+            poolings or ["token"],
+            baseline,
+            val_splits,
+            control,
+            rows,
+            split["test"],
+        ),
         baseline=baseline,
         n_train=int(split["train"].sum()),
         n_test=int(split["test"].sum()),
@@ -149,7 +170,18 @@ def probe_layers(
         test_index=sorted({i - (test_from or 0) for i in rows.example[split["test"]].tolist()}),
         settings=settings,
         timings=lap.times,
+        source=(model, dict(model_kwargs or {})),
+        test_labels=_held_labels(rows, split["test"]),
     )
+
+
+def _held_labels(rows: ProbeRows, test: torch.Tensor) -> list[Any]:
+    """The held-out rows' labels: class indices, or values in the labels' own units."""
+    y = rows.y[test]
+    if rows.target_scale is None:
+        return y.tolist()
+    scale, shift = rows.target_scale
+    return (y.double() * scale + shift).tolist()
 
 
 def _score(
@@ -183,6 +215,27 @@ def _score(
         progress=progress,
     )
     return y, penalties, scores
+
+
+#: Folds of cross-validation when neither ``folds`` nor ``val_splits`` is given.
+DEFAULT_FOLDS = 5
+
+
+def _validation(val_splits: Any, folds: Any) -> tuple[int, int | None]:
+    """(validation splits, folds or None): ``folds`` k-fold cross-validation, or
+    ``val_splits`` random splits; neither: ``DEFAULT_FOLDS`` folds."""
+    if val_splits is not None and folds is not None:
+        raise ConfigError(
+            f"val_splits={val_splits!r} and folds={folds!r} were both given; pass one: folds "
+            "(k-fold cross-validation) or val_splits (random validation splits)"
+        )
+    if val_splits is None and folds is None:
+        folds = DEFAULT_FOLDS
+    if folds is not None:
+        if not isinstance(folds, int) or isinstance(folds, bool) or folds < 2:
+            raise ConfigError(f"folds={folds!r} is invalid; an integer >= 2 (k-fold validation)")
+        return folds, folds
+    return val_splits, None
 
 
 def _settings(
@@ -389,13 +442,15 @@ def _length(example: dict) -> int:
 def _train_probes(
     features, y, *, split, l2, num_classes, max_iter, tol, resamples, seed, progress
 ) -> dict:
-    """Fit every problem, chunked by width and memory; per key: scores and a 95% interval."""
+    """Fit every problem, chunked by width and memory; per key: the split probes' scores,
+    the refitted probe (weights folded onto the raw features, its held-out outputs and
+    score) and a 95% interval of that score."""
     train, test, fit = split["train"], split["test"], split["fit"]
     n_rows = int(train.sum())
     by_width: dict[int, list] = {}
     for key, x in features.items():
         by_width.setdefault(x.shape[1], []).append(key)
-    outputs = fit.shape[0] * y.shape[0] * l2.numel() * (num_classes or 1)
+    outputs = (fit.shape[0] + 1) * y.shape[0] * l2.numel() * (num_classes or 1)
     chunks = []
     for width, keys in by_width.items():
         per_problem = 4 * (len(train) * (width + 1) * 3 + n_rows * outputs * 4)
@@ -403,17 +458,37 @@ def _train_probes(
         chunks += [keys[i : i + size] for i in range(0, len(keys), size)]
     bar = tqdm(total=len(chunks) * max_iter, desc="headkit: training probes", disable=not progress)
     out = {}
+    regression = num_classes is None
     try:
         for i, keys in enumerate(chunks):
             x = torch.stack([features[k] for k in keys])  # (B, R, d)
-            x_train, x_test = standardise(x[:, train], x[:, test])
-            del x
+            mu, scale = standardisation(x[:, train])
+            x_train = (x[:, train] - mu) * scale
+            x_test = (x[:, test] - mu) * scale
             got = fit_and_score(
-                x_train, y[:, train], x_test, y[:, test], fit, l2, num_classes, max_iter, tol, bar
+                x_train,
+                y[:, train],
+                x_test,
+                y[:, test],
+                fit,
+                l2,
+                num_classes,
+                max_iter,
+                tol,
+                bar,
+                refit=True,
             )
-            ci = bootstrap_interval(
-                got.test_items, y[:, test], num_classes is None, resamples, seed
-            )
+            weight, bias = _fold(got.refit, mu, scale)  # (B, C, d, V), (B, V, C): raw features
+            raw_test = x[:, test]
+            del x, x_train, x_test
+            held = _outputs(raw_test, weight, bias)  # (B, n_test, V, C)
+            if regression:
+                items = (held[..., 0] - _lead_values(y[:, test])) ** 2  # (B, n_test, V)
+            else:
+                items = (held.argmax(-1) == y[:, test].T[None]).float()
+            items = items.permute(0, 2, 1)[:, None].contiguous()  # (B, 1, V, n_test)
+            ci = bootstrap_interval(items, y[:, test], regression, resamples, seed)
+            score = score_items(items, y[:, test], regression)[:, 0]  # (B, V)
             for j, key in enumerate(keys):
                 out[key] = {
                     "test": got.test[j],
@@ -421,12 +496,46 @@ def _train_probes(
                     "val": got.val[j],
                     "l2": got.l2[j],
                     "ci95": ci[j],
+                    "score": score[j],
+                    "refit_train": got.refit.train[j],
+                    "refit_l2": got.refit.l2[j],
+                    "weight": weight[j, ..., 0].contiguous(),  # (C, d): the task's probe
+                    "bias": bias[j, 0].contiguous(),  # (C,)
+                    "held": held[j, :, 0],  # (n_test, C): its held-out outputs
                 }
             bar.n = (i + 1) * max_iter
             bar.refresh()
     finally:
         bar.close()
     return out
+
+
+def _fold(refit: Any, mu: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The refitted probes on the raw features: ``((x - mu) * scale) @ W + b`` equals
+    ``x @ (scale * W) + (b - (mu * scale) @ W)``. Returns weight (B, C, d, V) — the layout of
+    ``nn.Linear.weight`` per variant — and bias (B, V, C)."""
+    w = refit.weight * scale[:, 0, :, None, None]  # (B, d, V, C)
+    b = refit.bias - torch.einsum("bd,bdvc->bvc", (mu * scale)[:, 0], refit.weight)
+    return w.permute(0, 3, 1, 2), b
+
+
+def _outputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Each probe's outputs on raw features x (B, n, d), computed as ``nn.Linear`` computes
+    them (``F.linear``), so that the head ``to_headed`` builds gives the same: (B, n, V, C)."""
+    return torch.stack(
+        [
+            torch.stack(
+                [F.linear(x[b], weight[b, ..., v], bias[b, v]) for v in range(weight.shape[-1])],
+                1,
+            )
+            for b in range(x.shape[0])
+        ]
+    )
+
+
+def _lead_values(y: torch.Tensor) -> torch.Tensor:
+    """(V, n) values → (1, n, V) to broadcast against (B, n, V)."""
+    return y.float().T[None]
 
 
 def _baseline(y: torch.Tensor, split, regression: bool) -> float:
@@ -441,30 +550,36 @@ def _baseline(y: torch.Tensor, split, regression: bool) -> float:
     return float((y_test == majority).float().mean())
 
 
-def _result_rows(scores, layers, poolings, baseline, val_splits, control) -> list[ProbeRow]:
-    rows = []
+def _result_rows(
+    scores, layers, poolings, baseline, val_splits, control, rows, test
+) -> list[ProbeRow]:
+    y_test = rows.y[test]
+    rows_out = []
     for p in poolings:
         for k in layers:
             s = scores[(p, k)]
-            test = s["test"]  # (S, V)
+            test_split = s["test"]  # (S, V): each split's probe
+            held = s["held"]  # (n_test, C): the refitted probe's outputs
             row = ProbeRow(
                 layer=k,
                 pooling=p,
-                score=float(test[:, 0].mean()),
-                train_score=float(s["train"][:, 0].mean()),
+                score=float(s["score"][0]),
+                train_score=float(s["refit_train"][0]),
                 val_score=float(s["val"][:, 0].mean()),
-                std=float(test[:, 0].std()) if val_splits > 1 else None,
+                std=float(test_split[:, 0].std()) if val_splits > 1 else None,
                 ci95=(float(s["ci95"][0, 0]), float(s["ci95"][0, 1])),
                 baseline=baseline,
                 l2=[float(v) for v in s["l2"][:, 0]],
+                refit_l2=float(s["refit_l2"][0]),
             )
+            row.set_outputs(held, y_test, rows.classes, rows.target_scale, s["weight"], s["bias"])
             if control:
-                row.control = float(test[:, 1].mean())
-                row.control_train = float(s["train"][:, 1].mean())
-                row.control_std = float(test[:, 1].std()) if val_splits > 1 else None
+                row.control = float(s["score"][1])
+                row.control_train = float(s["refit_train"][1])
+                row.control_std = float(test_split[:, 1].std()) if val_splits > 1 else None
                 row.selectivity = row.score - row.control
-            rows.append(row)
-    return rows
+            rows_out.append(row)
+    return rows_out
 
 
 __all__ = ["TASKS", "parse_layers", "parse_poolings", "probe_layers"]

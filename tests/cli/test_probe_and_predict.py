@@ -18,6 +18,7 @@ from transformers.utils import logging as hf_logging
 
 from headkit.cli.datafiles import read_rows
 from headkit.cli.main import main
+from headkit.errors import ConfigError
 from headkit.probe.results import ProbeResults, ProbeRow
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -152,3 +153,10 @@ def test_a_corrupt_cli_settings_file_is_one_line(files, tmp_path, capsys, settin
     args = ["eval", str(ckpt), "--data", str(files["test"]), "--quiet"]
     line = one_error_line(main(args), capsys.readouterr().err)
     assert f"CHECKPOINT='{ckpt}': " in line and message in line
+
+
+def test_a_probe_row_built_by_hand_has_no_head() -> None:
+    row = ProbeRow(0, "mean", 0.8, 0.9, 0.8, None, (0.7, 0.9), 0.5, [0.1])
+    results = ProbeResults("classification", "accuracy", "m", 2, [row], 0.5, 8, 2, 1, False, [0.1])
+    with pytest.raises(ConfigError, match=r"the probe of layer 0 \(mean\) has no weights"):
+        results.to_headed()

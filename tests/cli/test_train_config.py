@@ -52,8 +52,52 @@ def _error(tmp_path: Path, text: str, capsys) -> str:
         ),
         (
             "training: {epoch: 3, lrate: 1}",
-            "training: unknown key(s) ['epoch', 'lrate']; allowed: batch_size, epochs, "
-            "freeze_backbone, lr,",
+            "training: unknown key(s) ['epoch', 'lrate']; allowed: batch_size, bf16, "
+            "calibrate, epochs, fp16, freeze_backbone, gradient_accumulation_steps, "
+            "greater_is_better, lr,",
+        ),
+        (
+            "training: {lr_schedule: step}",
+            "training.lr_schedule='step' is invalid; allowed: constant, linear, cosine",
+        ),
+        (
+            "training: {warmup_ratio: 1.0}",
+            "training.warmup_ratio=1.0 is invalid; allowed: a number in [0, 1)",
+        ),
+        ("training: {warmup_steps: -1}", "training.warmup_steps=-1 is invalid"),
+        (
+            "training: {weight_decay: -0.1}",
+            "training.weight_decay=-0.1 is invalid; allowed: a finite number >= 0",
+        ),
+        (
+            "training: {max_grad_norm: 0}",
+            "training.max_grad_norm=0 is invalid; allowed: a finite number > 0",
+        ),
+        (
+            "training: {gradient_accumulation_steps: 0}",
+            "training.gradient_accumulation_steps=0 is invalid; allowed: an integer >= 1",
+        ),
+        ("training: {bf16: 'yes'}", "training.bf16='yes' is invalid; allowed: true or false"),
+        (
+            "training: {report_to: [wandb]}",
+            "training.report_to='wandb' is invalid; allowed: none, or a list of csv, tensorboard",
+        ),
+        (
+            "training: {threshold: youden}",
+            "training.threshold='youden' is invalid; allowed: none, f1 or accuracy",
+        ),
+        (
+            "training: {bf16: true, fp16: true}",
+            "training.bf16=true and training.fp16=true; allowed: one of them, or neither",
+        ),
+        (
+            "training: {warmup_ratio: 0.1, warmup_steps: 5}",
+            "training.warmup_ratio=0.1 and training.warmup_steps=5; allowed: one of them",
+        ),
+        (
+            "training: {metric_for_best_model: f2}",
+            "training.metric_for_best_model='f2' is invalid; allowed: accuracy, h_accuracy, "
+            "h_loss, h_macro_f1, loss, macro_f1",
         ),
         ("heads: []", "heads=[] is invalid; allowed: a non-empty list of HeadConfig"),
     ],
