@@ -89,15 +89,18 @@ def convert(
         model = load_headed(base, head_folder_path=src)
     else:
         model = HeadedModel.from_pretrained(src)
+    # a full save's backbone is copied: the output stands alone, whatever the source folder's
+    # fate (an unchanged loaded backbone is otherwise referenced); a LoRA base is referenced
+    save_backbone = True if layout == "full" else None
     if out.exists() and is_checkpoint(out):
         # --overwrite of a checkpoint: a save into it, which is atomic and replaces only what
         # a save wrote (checkpoint/journal.py); the user's other files there stay
-        model.save_pretrained(out)
+        model.save_pretrained(out, save_backbone=save_backbone)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, save_backbone=save_backbone)
         os.replace(tmp, out)  # a new or empty folder
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
