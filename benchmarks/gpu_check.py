@@ -1,14 +1,19 @@
 """The GPU check: the ``gpu``-marked tests and the suite on CUDA in bf16 at a realistic size.
 
     python benchmarks/gpu_check.py                  # 24 layers x 1024, batch 16 x 512, bf16
-    python benchmarks/gpu_check.py --layers 4 --hidden 256 --batch 2 --seq 64   # a smoke run
+    python benchmarks/gpu_check.py --layers 4 --hidden 256 --batch 2 --seq 64 \
+        --gen-layers 2 --gen-hidden 256 --gen-new 16                     # a smoke run
 
 Runs, on a machine with a CUDA device, (1) ``pytest -m gpu`` (host-device syncs, device maps,
-FSDP through accelerate, QLoRA) and (2) ``benchmarks/run.py --device cuda --dtype bfloat16``
-at the given size, then writes one JSON (``--out``, default
-``benchmarks/results/gpu_check.json``): the machine (GPU, torch, CUDA, transformers, peft,
-accelerate), the tests' counts and every scenario's figures. Exit status 0 when the tests
-pass and every scenario ran, 1 otherwise. Without CUDA it writes the JSON with
+FSDP through accelerate, QLoRA), (2) ``benchmarks/run.py --device cuda --dtype bfloat16``
+at the given size and (3) ``benchmarks/bench_generation.py --device cuda`` in the same dtype
+(``HeadedModel.generate`` with a frozen lm_head and a value head ÷ the backbone's own
+``generate``, tokens/s, and whether the greedy tokens are the same; default a 1.1B Llama
+shape: 22 layers x 2048, 32 heads, 4 key-value heads, MLP 5632, batch 8, 128 new tokens),
+then writes one JSON (``--out``, default ``benchmarks/results/gpu_check.json``): the machine
+(GPU, torch, CUDA, transformers, peft, accelerate), the tests' counts, every scenario's
+figures and the generation figures. Exit status 0 when the tests pass and every scenario
+and the generation benchmark ran, 1 otherwise. Without CUDA it writes the JSON with
 ``"status": "skipped"`` and the reason, says so on stderr and exits 3 (nothing was checked).
 """
 
@@ -31,6 +36,19 @@ ROOT = HERE.parent
 #: Exit status when there is no CUDA device: nothing was checked.
 NO_CUDA = 3
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "safetensors")
+#: The generation benchmark's size options (``--gen-<name>``) and defaults: a 1.1B Llama.
+GEN_SIZES = {
+    "layers": 22,
+    "hidden": 2048,
+    "heads": 32,
+    "kv_heads": 4,
+    "intermediate": 5632,
+    "batch": 8,
+    "new": 128,
+    "prompt": 32,
+}
+#: Its timing: fewer calls than the CPU default (each is seconds long at that size).
+GEN_TIMING = {"warmup": 2, "steps": 10}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,12 +61,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--only", default="abcdefghi", help="the suite's scenario letters")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "gpu_check.json")
     ap.add_argument("--skip-tests", action="store_true", help="the suite only")
-    ap.add_argument("--skip-suite", action="store_true", help="the gpu-marked tests only")
+    ap.add_argument("--skip-suite", action="store_true", help="no suite run")
+    ap.add_argument("--skip-generation", action="store_true", help="no generation benchmark")
+    gen = ap.add_argument_group("the generation benchmark (benchmarks/bench_generation.py)")
+    for name, default in {**GEN_SIZES, **GEN_TIMING}.items():
+        flag = f"--gen-{name.replace('_', '-')}"
+        gen.add_argument(flag, type=int, default=default, dest=f"gen_{name}")
     args = ap.parse_args(argv)
-    for name in ("layers", "hidden", "batch", "seq"):
+    for name in ("layers", "hidden", "batch", "seq", *(f"gen_{n}" for n in GEN_SIZES)):
         if getattr(args, name) < 1:
-            ap.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+            flag = name.replace("gen_", "gen-").replace("_", "-")
+            ap.error(f"--{flag} must be a positive integer, got {getattr(args, name)}")
+    if args.gen_steps < 1 or args.gen_warmup < 0:
+        ap.error(
+            f"--gen-steps must be at least 1 and --gen-warmup at least 0, "
+            f"got {args.gen_steps} and {args.gen_warmup}"
+        )
     return args
+
+
+def generation_size(args: argparse.Namespace) -> dict | None:
+    """The generation benchmark's size, dtype and timing; None with --skip-generation."""
+    if args.skip_generation:
+        return None
+    names = (*GEN_SIZES, *GEN_TIMING)
+    return {**{n: getattr(args, f"gen_{n}") for n in names}, "dtype": args.dtype}
 
 
 def machine() -> dict:
@@ -125,6 +162,38 @@ def run_suite(args: argparse.Namespace) -> dict:
     }
 
 
+def run_generation(args: argparse.Namespace) -> dict:
+    """``benchmarks/bench_generation.py --device cuda`` in the check's dtype; its result."""
+    size = generation_size(args)
+    assert size is not None
+    with tempfile.TemporaryDirectory(prefix="headkit-gpu-check-") as tmp:
+        out = Path(tmp, "generation.json")
+        cmd = [sys.executable, str(HERE / "bench_generation.py"), "--device", "cuda"]
+        cmd += ["--dtype", args.dtype]
+        for name in (*GEN_SIZES, *GEN_TIMING):
+            cmd += [f"--{name.replace('_', '-')}", str(size[name])]
+        # the device machine is the check's own: no waiting for quiet CPUs, no reruns
+        cmd += ["--retries", "0", "--quiet-timeout", "0", "--out", str(out)]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
+        seconds = round(time.perf_counter() - start, 1)
+        result = json.loads(out.read_text()) if out.is_file() else None
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    figures = {f["name"]: f["value"] for f in result.get("figures", [])} if result else {}
+    details = result.get("details", {}) if result else {}
+    return {
+        "command": " ".join(["benchmarks/bench_generation.py", *cmd[2:-2]]),
+        "returncode": proc.returncode,
+        "seconds": seconds,
+        "ok": proc.returncode == 0 and result is not None,
+        "figures": figures,
+        "same_tokens": details.get("same_tokens"),
+        "first_different_token": details.get("first_different_token"),
+        "result": result,
+        "output_tail": tail,
+    }
+
+
 def _env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -139,7 +208,7 @@ def write(path: Path, record: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     size = {k: getattr(args, k) for k in ("layers", "hidden", "batch", "seq", "dtype")}
-    record: dict = {"size": size, "machine": machine()}
+    record: dict = {"size": size, "generation_size": generation_size(args), "machine": machine()}
     if not record["machine"]["cuda_available"]:
         record |= {"status": "skipped", "reason": "torch sees no CUDA device"}
         write(args.out, record)
@@ -153,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         record["gpu_tests"] = run_gpu_tests()
     if not args.skip_suite:
         record["suite"] = run_suite(args)
-    ran = [record[k] for k in ("gpu_tests", "suite") if k in record]
+    if not args.skip_generation:
+        record["generation"] = run_generation(args)
+    ran = [record[k] for k in ("gpu_tests", "suite", "generation") if k in record]
     record["status"] = "passed" if all(r["ok"] for r in ran) else "failed"
     write(args.out, record)
     print(f"gpu_check: {record['status']} (wrote {args.out})")

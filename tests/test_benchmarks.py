@@ -153,3 +153,35 @@ def test_figures_and_goals(bench_modules: None) -> None:
     }
     with pytest.raises(ValueError, match="op='=='"):
         Goal("==", 1.0)
+
+
+def test_generation_in_another_dtype_and_size(tmp_path: Path, bench_modules: None) -> None:
+    """bench_generation.py's --dtype and size options (the GPU check runs it with --device
+    cuda at a 1.1B Llama shape): the backbone in bfloat16, grouped-query attention, and the
+    greedy tokens compared with the backbone's own in that dtype."""
+    import bench_generation
+
+    out = tmp_path / "generation.json"
+    argv = ["--quick", "--threads", "1", "--dtype", "bfloat16", "--out", str(out)]
+    argv += ["--heads", "2", "--kv-heads", "1", "--intermediate", "96", "--new", "6"]
+    result = bench_generation.main(argv)
+    assert json.loads(out.read_text()) == result
+    assert result["settings"]["device"] == "cpu" and result["settings"]["dtype"] == "bfloat16"
+    model = result["settings"]["model"]
+    assert (model["hidden"], model["heads"], model["kv_heads"]) == (64, 2, 1)
+    assert (model["intermediate"], model["new"], model["batch"]) == (96, 6, 2)
+    details = result["details"]
+    assert isinstance(details["same_tokens"], bool)
+    assert (details["first_different_token"] is None) == details["same_tokens"]
+    assert result["figures"][0]["goal"] == ">= 0.95"
+
+
+def test_generation_refuses_a_size_below_one(
+    capsys: pytest.CaptureFixture[str], bench_modules: None
+) -> None:
+    import bench_generation
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_generation.main(["--quick", "--kv-heads", "0"])
+    assert exit_.value.code == 2
+    assert "--kv-heads must be a positive integer, got 0" in capsys.readouterr().err

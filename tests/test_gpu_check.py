@@ -60,4 +60,47 @@ def test_without_cuda_it_writes_a_skipped_record_and_exits_3(tmp_path):
     }
     assert record["machine"]["cuda_available"] is False
     assert record["machine"]["torch"] == metadata.version("torch")
-    assert "gpu_tests" not in record and "suite" not in record
+    assert "gpu_tests" not in record and "suite" not in record and "generation" not in record
+
+
+def test_the_generation_benchmark_defaults_to_a_1b_llama_in_the_check_dtype():
+    args = gpu_check.parse_args(["--dtype", "float16"])
+    assert gpu_check.generation_size(args) == {
+        "layers": 22,
+        "hidden": 2048,
+        "heads": 32,
+        "kv_heads": 4,
+        "intermediate": 5632,
+        "batch": 8,
+        "new": 128,
+        "prompt": 32,
+        "warmup": 2,
+        "steps": 10,
+        "dtype": "float16",
+    }
+    assert gpu_check.generation_size(gpu_check.parse_args(["--skip-generation"])) is None
+
+
+def test_generation_sizes_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.parse_args(["--gen-kv-heads", "0"])
+    assert exit_.value.code == 2
+    assert "--gen-kv-heads must be a positive integer, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+@pytest.mark.parametrize("skip", [False, True], ids=["generation", "skip-generation"])
+def test_without_cuda_the_record_names_the_generation_size(tmp_path, skip):
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--gen-layers", "4"]
+    cmd += ["--gen-new", "16", *(["--skip-generation"] if skip else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == gpu_check.NO_CUDA
+    record = json.loads(out.read_text())
+    assert record["status"] == "skipped" and "generation" not in record
+    if skip:
+        assert record["generation_size"] is None
+    else:
+        size = record["generation_size"]
+        assert (size["layers"], size["new"], size["hidden"]) == (4, 16, 2048)
+        assert size["dtype"] == "bfloat16"
