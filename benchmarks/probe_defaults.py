@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from headkit.backbone.sources import load_model, load_tokenizer, resolve_model
+from headkit.backbone.sources import load_model, resolve_model, source_tokenizer
 from headkit.packaged import presidential_debates, rotten_tomatoes
 from headkit.probe.data import prepare_rows, split_rows
 from headkit.probe.fit import DEFAULT_L2
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     path, kwargs = resolve_model("packaged:minilm")
-    backbone, tokenizer = load_model(path, kwargs), load_tokenizer(path)
+    backbone, tokenizer = load_model(path, kwargs), source_tokenizer(path)
     report = {}
     for name, rows in (
         ("rotten_tomatoes", rotten_tomatoes(limit=args.rows)),

@@ -84,9 +84,11 @@ def _register_edges() -> None:
     """Wire the edge packages into the core's registries by name (nothing is imported: each
     is imported the first time its entry is asked for). This package is where core and edges
     meet; the core itself never names an edge."""
-    from .formats import EXPORTERS, READERS
+    from .formats import EXPORTERS, IGNORE_PADS_ALIASES, READERS
 
     READERS.register_lazy("transformer-heads", "headkit.compat.checkpoint:READER")
+    # transformer-heads' token-loss rule (its name, stored configs use it): headkit's value
+    IGNORE_PADS_ALIASES.register("transformer-heads", "drop_last_real")
     EXPORTERS.register_lazy("onnx", "headkit.integrations.onnx:export_onnx")
     EXPORTERS.register_lazy(
         "transformers", "headkit.integrations.hf_classifiers:export_transformers"

@@ -18,14 +18,16 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError
+from .formats import IGNORE_PADS_ALIASES
 from .heads.activations import ACTIVATIONS
 from .heads.base import HEADS
 from .heads.pooling import parse_pooling
 from .losses.objective import LOSSES, loss_spec, task_of
 
-#: ``ignore_pads`` value that reproduces transformer-heads 0.2's token-loss rule (padding and
-#: each row's last real token do not count), for comparing losses with it.
-TH_TOKEN_LOSS = "transformer-heads"
+#: ``ignore_pads`` value: besides padding, each row's last real token does not count in a
+#: token loss (a rule other libraries use; for comparing losses with them). Other names for
+#: it are registered in ``formats.IGNORE_PADS_ALIASES`` and stored as this value.
+DROP_LAST_REAL = "drop_last_real"
 
 #: Values of ``HeadConfig.stack``: which stack of an encoder–decoder model a head reads.
 STACKS = ("encoder", "decoder")
@@ -121,6 +123,8 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         self._as_python_values()
+        if isinstance(self.ignore_pads, str) and self.ignore_pads in IGNORE_PADS_ALIASES:
+            self.ignore_pads = IGNORE_PADS_ALIASES.get(self.ignore_pads)
         self._validate()
         if self.target is None:
             self.target = self.name
@@ -198,12 +202,13 @@ class HeadConfig:
             v = getattr(self, f)
             if not isinstance(v, bool):
                 raise self._bad(f, v, "expected True or False")
-        if self.ignore_pads not in (None, True, False, TH_TOKEN_LOSS):
+        if self.ignore_pads not in (None, True, False, DROP_LAST_REAL):
+            aliases = "".join(f", {a!r}" for a in IGNORE_PADS_ALIASES.names())
             raise self._bad(
                 "ignore_pads",
                 self.ignore_pads,
-                f"expected True, False, None or {TH_TOKEN_LOSS!r} (transformer-heads' rule, "
-                "for comparison: it also drops each row's last real token)",
+                f"expected True, False, None or {DROP_LAST_REAL!r} (padding and each row's "
+                f"last real token do not count{aliases and '; also named' + aliases[1:]})",
             )
         for f in ("output_activation", "hidden_activation"):
             v = getattr(self, f)

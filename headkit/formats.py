@@ -1,4 +1,5 @@
-"""Formats: ``READERS`` (checkpoint formats read) and ``EXPORTERS`` (formats exported).
+"""Formats: ``READERS`` (checkpoint formats read), ``EXPORTERS`` (formats exported) and
+``IGNORE_PADS_ALIASES`` (other names of a stored config value).
 
 Both are registries of this torch-free module, so ``headkit/__init__.py`` (the package that
 assembles core and edges) registers the edges' entries by name at ``import headkit`` without
@@ -21,6 +22,11 @@ it and every entry point (``HeadedModel.from_pretrained``, ``load_headed``, the 
 **Exporters.** An exporter is a function ``(model, output_dir, **options)`` returning what it
 wrote, added with ``EXPORTERS.register(name, fn)``; ``headkit.export(model, dir,
 format=name)`` and ``headkit export --format`` call it.
+
+**Value aliases.** ``IGNORE_PADS_ALIASES`` maps another library's name of one of
+``HeadConfig.ignore_pads``' rules to headkit's value (``"drop_last_real"``); ``HeadConfig``
+stores headkit's value, so configs written with the other name read and save as headkit's.
+An edge registers its names (``IGNORE_PADS_ALIASES.register(alias, value)``).
 """
 
 from __future__ import annotations
@@ -93,3 +99,7 @@ def is_checkpoint_folder(path: Any) -> bool:
 
 #: Export formats: name -> ``fn(model, output_dir, **options)``.
 EXPORTERS: Registry[Any] = Registry("export format", "format")
+
+
+#: Other names of an ``ignore_pads`` value → the value ``HeadConfig`` stores.
+IGNORE_PADS_ALIASES: Registry[str] = Registry("ignore_pads alias", "ignore_pads")

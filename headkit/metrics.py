@@ -316,10 +316,9 @@ def evaluate_head_wise(
 
     ``data``: a DataLoader (its batches are used as they are) or a dataset / list of feature
     dicts, batched by ``collator`` (default ``HeadedCollator(model)``); the model sees exactly
-    the collator's batches. transformer-heads' call ``evaluate_head_wise(model, dataset,
-    collator, batch_size=8, epochs=1)`` works; ``epochs`` < 1 evaluates that fraction of the
-    batches (the first ``ceil(epochs × batches)``). Its result, ``(mean loss, {head: mean
-    loss})``, is ``headkit.compat.evaluate_head_wise``'s. Columns that are neither model inputs
+    the collator's batches. ``epochs`` < 1 evaluates that fraction of the batches (the first
+    ``ceil(epochs × batches)``); ``headkit.compat.evaluate_head_wise`` reads the same batches
+    into ``(mean loss, {head: mean loss})``. Columns that are neither model inputs
     nor head targets are dropped first, as Trainer does, with a warning naming them. Each head
     also gets ``loss``: its loss averaged over the examples of the batches that had its labels.
     """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,36 @@ def test_the_core_never_imports_the_compat_edge() -> None:
                     (file.name, n) for n in names if "compat" in n or "transformer_heads" in n
                 ]
     assert found == []
+
+
+def test_the_core_never_mentions_transformer_heads() -> None:
+    """Not even in a comment or a stored value: the edge registers its names (a reader, the
+    ``ignore_pads`` alias) from ``headkit/__init__.py``."""
+    pattern = re.compile(r"transformer[-_ ]heads|\bTH_", re.IGNORECASE)
+    found = []
+    for part in (*CORE, "metrics.py", "formats.py", "registry.py"):
+        path = ROOT / "headkit" / part
+        for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            found += [
+                f"{file.relative_to(ROOT)}:{i}"
+                for i, line in enumerate(file.read_text().splitlines(), 1)
+                if pattern.search(line)
+            ]
+    assert found == []
+    assert pattern.search("see transformer-heads' rule")  # the scan can fail
+
+
+def test_a_peer_name_of_a_stored_value_is_an_alias_of_headkits() -> None:
+    from headkit.formats import IGNORE_PADS_ALIASES
+
+    assert IGNORE_PADS_ALIASES.get("transformer-heads") == "drop_last_real"
+    cfg = HeadConfig("tok", num_outputs=3, ignore_pads="transformer-heads")
+    assert cfg.ignore_pads == "drop_last_real"  # stored (and saved) as headkit's value
+    assert cfg == HeadConfig("tok", num_outputs=3, ignore_pads="drop_last_real")
+    with pytest.raises(
+        ConfigError, match="ignore_pads='drop-last'.*also named 'transformer-heads'"
+    ):
+        HeadConfig("tok", num_outputs=3, ignore_pads="drop-last")
 
 
 def test_a_lazy_entry_is_named_module_colon_attribute() -> None:

@@ -412,7 +412,7 @@ def load_model(
     return load_backbone(path, causal_lm=causal_lm, **kwargs).eval()
 
 
-def load_tokenizer(source: str | os.PathLike, model_kwargs: dict[str, Any] | None = None) -> Any:
+def source_tokenizer(source: str | os.PathLike, model_kwargs: dict[str, Any] | None = None) -> Any:
     """The tokenizer stored with ``source`` (for GGUF: read from the GGUF file)."""
     path, kwargs = resolve_model(source, model_kwargs)
     tok_kwargs = {k: kwargs[k] for k in _TOKENIZER_KWARGS if k in kwargs}

@@ -123,7 +123,7 @@ def head_summary(
     return out
 
 
-def base_model_of(source: Any) -> str | None:
+def base_model_id(source: Any) -> str | None:
     """The hub id a backbone source names: a hub id itself, a packaged model's id, or None
     (a local folder)."""
     if isinstance(source, dict):
@@ -143,7 +143,7 @@ def write_card(
         return None
     entry: dict[str, Any] = {"file": CARD}
     src = getattr(model, "source", None)
-    base = base_model_of(src.to_manifest(root)["source"]) if src is not None else None
+    base = base_model_id(src.to_manifest(root)["source"]) if src is not None else None
     if base is None and isinstance(previous, dict):  # saved again after fine-tuning
         base = (previous.get("card") or {}).get("base_model")
     if base:
@@ -541,7 +541,7 @@ def export_card(
     configs = [model.head_configs[h] for h in heads]
     tags = [t for t in dict.fromkeys(pipeline_tag(c, modality) for c in configs) if t]
     src = getattr(model, "source", None)
-    base = base_model_of(src.to_manifest(root)["source"]) if src is not None else None
+    base = base_model_id(src.to_manifest(root)["source"]) if src is not None else None
     license_ = backbone_license(src.source if src is not None else None)
     meta: dict[str, Any] = {"library_name": "transformers" if fmt == "transformers" else "onnx"}
     if license_:

@@ -201,11 +201,11 @@ def _check_save(args: argparse.Namespace, inputs: list[Path]) -> Path | None:
 def save_probe(results: ProbeResults, folder: Path, args: argparse.Namespace) -> None:
     """The best probe as a checkpoint folder ``headkit predict`` / ``eval`` read: the head
     (named ``probe``, reading the label column), the tokenizer and ``headkit_cli.json``."""
-    from ..backbone.sources import load_tokenizer
+    from ..backbone.sources import source_tokenizer
     from .checkpoints import save_trained
 
     model = results.to_headed()
-    tokenizer = load_tokenizer(args.model, dict(args.model_kwarg))
+    tokenizer = source_tokenizer(args.model, dict(args.model_kwarg))
     settings = {
         "text_column": args.text_column,
         "label_columns": {"probe": args.label_column},

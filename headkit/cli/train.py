@@ -259,7 +259,7 @@ def run_train(
     # torch and transformers only now: the config, the output and the columns were checked
     import torch
 
-    from ..backbone.sources import load_tokenizer, resolve_model
+    from ..backbone.sources import resolve_model, source_tokenizer
     from ..loading import load_headed
     from .checkpoints import record_metrics, save_trained
     from .evaluate import run_eval
@@ -282,7 +282,7 @@ def run_train(
     freeze = training["freeze_backbone"]
     model = load_headed(path, head_configs=heads, freeze_base_model=freeze, **kwargs)
     model.to(resolve_device(device))  # --device: the batches follow the model
-    tokenizer = load_tokenizer(config["model"], config["model_kwargs"])
+    tokenizer = source_tokenizer(config["model"], config["model_kwargs"])
     configs = list(model.head_configs.values())
     dropped = 0
     if kind is None:

@@ -369,8 +369,8 @@ def counted_positions(
                 f"predictions {tuple(preds.shape)}"
             )
         valid = mask.bool()
-    if rule.skips_padding and cfg.ignore_pads == "transformer-heads" and not rule.shift:
-        valid = valid & ~_last_real(valid)  # its rule, for comparison (config.TH_TOKEN_LOSS)
+    if rule.skips_padding and cfg.ignore_pads == "drop_last_real" and not rule.shift:
+        valid = valid & ~_last_real(valid)  # config.DROP_LAST_REAL
     if rule.shift:  # position t predicts token t+1
         preds, labels, valid = preds[:, :-1], labels[:, 1:], valid[:, 1:]
     return preds, labels, valid

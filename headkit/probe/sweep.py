@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..backbone.sources import describe, load_model, load_tokenizer, tokenizer_source
+from ..backbone.sources import describe, load_model, source_tokenizer, tokenizer_source
 from ..config import HeadConfig
 from ..data.media import encode_media, input_kind, load_processor
 from ..distributed import ranks
@@ -355,7 +355,7 @@ def _backbone_and_tokenizer(
         return backbone, processor or load_processor(source, kind)
     if isinstance(model, (str, os.PathLike)):
         backbone = load_model(model, model_kwargs)
-        return backbone, tokenizer or load_tokenizer(model, model_kwargs)
+        return backbone, tokenizer or source_tokenizer(model, model_kwargs)
     if not isinstance(model, PreTrainedModel):
         raise ConfigError(
             f"model={type(model).__name__} is invalid; a path, hub id, 'packaged:minilm', a "
@@ -370,7 +370,7 @@ def _backbone_and_tokenizer(
                 f"tokenizer=None, and {type(model).__name__} was not loaded from a local folder "
                 "to read one from; pass tokenizer="
             )
-        tokenizer = load_tokenizer(source)
+        tokenizer = source_tokenizer(source)
     return model, tokenizer
 
 

@@ -18,7 +18,7 @@ import torch
 from conftest import build_tiny
 
 from headkit import CheckpointError, HeadConfig, HeadedModel, load_headed
-from headkit.backbone.sources import load_model, load_tokenizer
+from headkit.backbone.sources import load_model, source_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -156,7 +156,7 @@ def test_a_missing_model_folder_is_named_as_a_missing_folder(name):
     for load in (
         lambda: load_headed(name, head_configs=HEADS),
         lambda: load_model(name),
-        lambda: load_tokenizer(name),
+        lambda: source_tokenizer(name),
     ):
         with pytest.raises(CheckpointError, match=r"model folder '.*' does not exist") as info:
             load()

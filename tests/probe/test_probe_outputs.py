@@ -13,7 +13,7 @@ from sklearn import metrics as skm
 from tiny_text import planted_texts, save_tiny_text_model, tagged_sentences
 
 from headkit import HeadedModel, probe_layers
-from headkit.backbone.sources import load_tokenizer
+from headkit.backbone.sources import source_tokenizer
 from headkit.data.encoding import encode_texts
 from headkit.metrics import ranking_report
 from headkit.probe.data import prepare_rows, split_rows
@@ -120,7 +120,7 @@ def test_to_headed_regression_predicts_in_the_labels_units(tiny_dir) -> None:
     assert row.metrics["mse"] == pytest.approx(skm.mean_squared_error(y, hat), rel=1e-5)
     model = res.to_headed()
     assert model.head_configs["probe"].is_regression
-    tok = load_tokenizer(str(tiny_dir))
+    tok = source_tokenizer(str(tiny_dir))
     batch = tok([texts[i] for i in res.test_index], padding=True, return_tensors="pt")
     with torch.no_grad():
         out = model(**batch).preds_by_head["probe"][:, 0]
@@ -137,7 +137,7 @@ def test_to_headed_token_probe(tiny_dir) -> None:
 
 
 def _head_probabilities(model: HeadedModel, folder, texts: list[str]) -> torch.Tensor:
-    tok = load_tokenizer(str(folder))
+    tok = source_tokenizer(str(folder))
     examples = encode_texts(tok, texts, 128)
     batch = tok.pad(examples, return_tensors="pt")
     with torch.no_grad():
