@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,8 +21,10 @@ from .backbone.sources import (
     transformer_folder,
     transformers_model_of,
 )
-from .checkpoint import read_checkpoint, restore
+from .checkpoint import MANIFEST, read_checkpoint, restore
 from .checkpoint.adapters import require_quantization_support
+from .checkpoint.manifest import trainer_state_dict_heads
+from .checkpoint.restore import load_trainer_state
 from .config import HeadConfig
 from .errors import ConfigError
 from .formats import is_checkpoint_folder
@@ -97,8 +100,10 @@ def _build(
     o: dict[str, Any],
     kwargs: dict[str, Any],
 ) -> HeadedModel:
-    """load_headed with head configs or a head folder: load the backbone, build, restore."""
-    ckpt = read_checkpoint(folder) if folder is not None else None
+    """load_headed with head configs or a head folder: load the backbone, build, restore (a
+    plain Trainer's ``checkpoint-N`` folder: its state dict, onto the heads of ``head_configs``)."""
+    trainer = _trainer_folder(folder) if head_configs is not None else False
+    ckpt = read_checkpoint(folder) if folder is not None and not trainer else None
     if ckpt is not None:
         head_configs = _checkpoint_heads(ckpt.heads, head_configs, folder)
     if head_configs is None:
@@ -117,9 +122,20 @@ def _build(
     )
     if ckpt is not None:
         restore(ckpt, model=headed)
+    if trainer:
+        load_trainer_state(headed, folder)
     if o["only_inference"]:
         headed.eval().requires_grad_(False)
     return headed
+
+
+def _trainer_folder(folder: Any) -> bool:
+    """Whether ``folder`` holds the state dict a plain Trainer saved from a HeadedModel (and no
+    headkit manifest)."""
+    if folder is None or not isinstance(folder, (str, os.PathLike)):
+        return False
+    root = Path(folder)
+    return not (root / MANIFEST).exists() and bool(trainer_state_dict_heads(root))
 
 
 def _quantization(config: Any, kwargs: dict[str, Any], o: dict[str, Any]) -> bool:

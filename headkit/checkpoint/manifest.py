@@ -63,12 +63,11 @@ def fsync_file(path: Path) -> None:
 
 _TRAINER_FOLDER = (
     "{path!r} is missing: this folder holds a whole state dict that transformers.Trainer "
-    "wrote from a HeadedModel (heads {heads}), without the head configs, so it is not a "
-    "headkit checkpoint. Train with headkit.HeadedTrainer (its checkpoints load with "
-    "HeadedModel.from_pretrained); to recover these weights, build the same model "
-    "(load_headed(backbone, head_configs=[...])) and call "
-    "model.load_state_dict(safetensors.torch.load_file('<folder>/model.safetensors')), then "
-    "model.save_pretrained(...)"
+    "wrote from a HeadedModel (heads {heads}), without the head configs, so it does not load "
+    "alone (headkit.HeadedTrainer's checkpoints do). Load it onto the model Trainer trained: "
+    "load_headed(<its backbone>, head_configs=[<its HeadConfigs>], head_folder_path={folder!r}) "
+    "checks its keys, shapes and values and calls load_state_dict; save_pretrained(...) then "
+    "writes a checkpoint that loads alone"
 )
 #: Largest safetensors header read to tell a Trainer's state-dict file (bytes).
 _MAX_HEADER = 64 << 20
@@ -106,7 +105,9 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         extra = f"; it holds pickle files {pickles}, which headkit never loads" if pickles else ""
         heads = trainer_state_dict_heads(root)
         if heads:
-            raise CheckpointError(_TRAINER_FOLDER.format(path=str(path), heads=heads))
+            raise CheckpointError(
+                _TRAINER_FOLDER.format(path=str(path), heads=heads, folder=str(root))
+            )
         raise CheckpointError(f"{str(path)!r} is missing: not a headkit checkpoint{extra}")
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:

@@ -503,6 +503,37 @@ def _check_tensors(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
     _check_finite(state, where)
 
 
+def load_trainer_state(model: Any, root: str | os.PathLike) -> None:
+    """Load the whole state dict a plain ``transformers.Trainer`` wrote from a HeadedModel
+    (``checkpoint-N/model.safetensors``: Trainer saves only the state dict of a model that is
+    not a ``PreTrainedModel``) into ``model``, the same HeadedModel built again (its backbone
+    and head configs): every key and shape must match, values must be finite."""
+    root = Path(root)
+    path = root / "model.safetensors"
+    check_inside(path, root, "Trainer's state dict")
+    state = _load_safetensors(path, "Trainer's state dict")
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{str(path)!r} does not hold this model's state: {len(missing)} missing "
+            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}) and "
+            f"{len(unexpected)} unexpected ({', '.join(unexpected[:4])}"
+            f"{', ...' if len(unexpected) > 4 else ''}); build the model Trainer trained: the "
+            "same backbone and head_configs"
+        )
+    wrong = [k for k in own if tuple(state[k].shape) != tuple(own[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise CheckpointError(
+            f"{str(path)!r}: {len(wrong)} tensors differ in shape from this model's, e.g. "
+            f"{k!r} {tuple(state[k].shape)} against {tuple(own[k].shape)}; build the model "
+            "Trainer trained: the same backbone and head_configs"
+        )
+    _check_finite(state, f"Trainer's state dict {str(path)!r}")
+    model.load_state_dict(state, strict=True)
+
+
 def _check_finite(state: dict[str, torch.Tensor], where: str) -> None:
     for k, v in state.items():
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):

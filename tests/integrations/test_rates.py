@@ -172,3 +172,48 @@ def test_a_plain_trainers_checkpoint_is_refused_saying_how_to_recover(tmp_path):
     model.eval(), again.eval()
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, again(**batch).logits)
+
+
+def test_a_plain_trainers_checkpoint_loads_onto_the_model_it_trained(tmp_path):
+    build_tiny("bert", num_layers=2).save_pretrained(tmp_path / "bb")
+    bb = str(tmp_path / "bb")
+    heads = [HeadConfig("sent", num_outputs=2, pred_for_sequence=True, output_bias=True)]
+    model = headkit.load_headed(bb, head_configs=heads, freeze_base_model=False)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    args = _args(tmp_path / "run", max_steps=3, save_strategy="steps", save_steps=3)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_data(6),
+        data_collator=HeadedCollator(model),
+        optimizers=(torch.optim.AdamW(param_groups(model)), None),
+    )
+    trainer.train()
+    folder = tmp_path / "run" / "checkpoint-3"  # Trainer's own folder: the state dict only
+    assert (folder / "model.safetensors").is_file() and not (folder / "head_configs.json").exists()
+    with pytest.raises(CheckpointError, match=r"load_headed\(.*head_folder_path="):
+        HeadedModel.from_pretrained(folder)
+
+    again = headkit.load_headed(bb, head_configs=heads, head_folder_path=folder)
+    trained, loaded = model.state_dict(), again.state_dict()
+    assert trained.keys() == loaded.keys()
+    assert all(torch.equal(trained[k], loaded[k]) for k in trained)  # backbone and head
+    head_keys = [k for k in start if k.startswith("heads.sent.")]
+    assert head_keys and all(not torch.equal(start[k], loaded[k]) for k in head_keys)
+    assert any(not torch.equal(start[k], loaded[k]) for k in start if k.startswith("backbone."))
+    batch = HeadedCollator(model)(_data(3))
+    model.eval(), again.eval()
+    with torch.no_grad():
+        expected = model(**batch).logits
+        assert torch.equal(again(**batch).logits, expected)
+    again.save_pretrained(tmp_path / "alone")  # headkit's own checkpoint: loads alone
+    alone = HeadedModel.from_pretrained(tmp_path / "alone").eval()
+    with torch.no_grad():
+        assert torch.equal(alone(**batch).logits, expected)
+
+    other = [HeadConfig("other", num_outputs=2, pred_for_sequence=True, output_bias=True)]
+    with pytest.raises(CheckpointError, match=r"2 missing \(heads\.other.*unexpected \(heads\.s"):
+        headkit.load_headed(bb, head_configs=other, head_folder_path=folder)
+    wider = [HeadConfig("sent", num_outputs=3, pred_for_sequence=True, output_bias=True)]
+    with pytest.raises(CheckpointError, match=r"differ in shape.*\(2, \d+\) against \(3, "):
+        headkit.load_headed(bb, head_configs=wider, head_folder_path=folder)
