@@ -1,12 +1,13 @@
 """Does the probe's default layer pick come close to the best layer's held-out score?
 
 For each packaged data set (rotten-tomatoes snippets: fresh/rotten; the 2016 debates: 9
-speakers), the packaged all-MiniLM-L6-v2, mean pooling, every layer: the last 20% of the
-shuffled rows are the test split (given, as an official test split is), and the layer is
-picked on the rest by each selection rule, for several seeds (which draw the validation
-splits):
+speakers; the 2012 convention speeches: 2 parties), the packaged all-MiniLM-L6-v2, mean
+pooling, every layer: the last 20% of the shuffled rows are the test split (given, as an
+official test split is), and the layer is picked on the rest by each selection rule, for
+several seeds (which draw the validation splits):
 
   default        ``probe_layers`` with no options: 5-fold cross-validation (stratified)
+  5/10 folds, log-loss   the fold-averaged validation log-loss picks (lowest)
   1 split        ``val_splits=1``: one random 20% validation split (the old default)
   3 splits       ``val_splits=3``
 
@@ -14,7 +15,8 @@ splits):
 picked). The backbone runs once per data set; every rule and seed probes the same features,
 through the same functions ``probe_layers`` calls.
 
-Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 python benchmarks/probe_defaults.py [--rows 3000]
+Run: HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 python benchmarks/probe_defaults.py [--rows 8000]\
+       [--data NAME ...] [--rules RULE ...]
 """
 
 from __future__ import annotations
@@ -26,12 +28,23 @@ import time
 import torch
 
 from headkit.backbone.sources import load_model, resolve_model, source_tokenizer
-from headkit.packaged import presidential_debates, rotten_tomatoes
+from headkit.packaged import convention_speeches, presidential_debates, rotten_tomatoes
 from headkit.probe.data import prepare_rows, split_rows
 from headkit.probe.fit import DEFAULT_L2
 from headkit.probe.sweep import _features, _score
 
-RULES = {"default": {"folds": 5}, "1 split": {"val_splits": 1}, "3 splits": {"val_splits": 3}}
+RULES = {
+    "default": {"folds": 5},
+    "5 folds, log-loss": {"folds": 5, "select": "loss"},
+    "10 folds, log-loss": {"folds": 10, "select": "loss"},
+    "1 split": {"val_splits": 1},
+    "3 splits": {"val_splits": 3},
+}
+DATASETS = {
+    "rotten_tomatoes": rotten_tomatoes,
+    "presidential_debates": presidential_debates,
+    "convention_speeches": convention_speeches,
+}
 
 
 def main() -> None:
@@ -39,14 +52,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=3000, help="rows per data set (default 3000)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--output", default=None, help="write the results as JSON here")
+    ap.add_argument("--data", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    ap.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
     args = ap.parse_args()
     path, kwargs = resolve_model("packaged:minilm")
     backbone, tokenizer = load_model(path, kwargs), source_tokenizer(path)
     report = {}
-    for name, rows in (
-        ("rotten_tomatoes", rotten_tomatoes(limit=args.rows)),
-        ("presidential_debates", presidential_debates(limit=args.rows)),
-    ):
+    for name in args.data:
+        rows = DATASETS[name](limit=args.rows)
         texts, labels = [t for t, _ in rows], [y for _, y in rows]
         n_test = round(0.2 * len(rows))
         n_train = len(rows) - n_test
@@ -59,16 +72,30 @@ def main() -> None:
         features = _features(backbone, prepared, layers, ["mean"], 32, False, 1)
         seconds = time.perf_counter() - started
         report[name] = {"rows": len(rows), "n_test": n_test, "backbone_seconds": seconds}
-        for rule, options in RULES.items():
+        for rule in args.rules:
+            options = RULES[rule]
             gaps, picks, picked_tests = [], [], []
             for seed in range(args.seeds):
                 folds = options.get("folds")
                 val_splits = folds or options["val_splits"]
                 split = split_rows(prepared, 0.2, 0.2, val_splits, seed, n_train, folds)
+                select = options.get("select", "accuracy")
                 _, _, scores = _score(
-                    features, prepared, split, False, seed, DEFAULT_L2, 200, 3e-4, 100, False
+                    features,
+                    prepared,
+                    split,
+                    False,
+                    seed,
+                    DEFAULT_L2,
+                    200,
+                    3e-4,
+                    100,
+                    False,
+                    select,
                 )
-                val = {k: float(scores[("mean", k)]["val"][:, 0].mean()) for k in layers}
+                key = "val_loss" if select == "loss" else "val"
+                sign = -1.0 if select == "loss" else 1.0
+                val = {k: sign * float(scores[("mean", k)][key][:, 0].mean()) for k in layers}
                 test = {k: float(scores[("mean", k)]["score"][0]) for k in layers}
                 pick = max(layers, key=lambda k: (val[k], -k))
                 gaps.append(max(test.values()) - test[pick])

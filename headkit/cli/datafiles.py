@@ -5,8 +5,9 @@ of objects), Parquet (``.parquet``, ``.pq``; needs pyarrow), a folder written by
 ``datasets`` ``save_to_disk`` (needs datasets), and ``packaged:rotten_tomatoes`` (the packaged
 review snippets: columns ``text``, ``label``), ``packaged:presidential_debates`` (sentences of
 the 2016 US presidential and vice-presidential debates: ``text``, ``label`` = the speaker, 9
-classes). CSV cells are strings; ``as_number`` and ``as_class`` turn label cells into numbers
-where they look like numbers.
+classes), ``packaged:convention_speeches`` (sentences of the 2012 US party conventions'
+speeches: ``label`` = the party). CSV cells are strings; ``as_number`` and ``as_class`` turn
+label cells into numbers where they look like numbers.
 
 Text files are read as UTF-8, or by their byte-order mark (UTF-8, UTF-16, UTF-32), or in the
 ``encoding`` given; a byte that does not decode is reported with its offset and the
@@ -36,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..packaged import CORPORA
 
 FORMATS = (
     "CSV (.csv, .tsv), JSON Lines (.jsonl, .ndjson), JSON (.json), Parquet (.parquet, .pq), "
     "a datasets.save_to_disk folder, or packaged:rotten_tomatoes"
 )
-PACKAGED_DATA = ("packaged:rotten_tomatoes", "packaged:presidential_debates")
+PACKAGED_DATA = tuple(f"packaged:{name}" for name in CORPORA)
 #: Bytes decoded at a time while checking a file's encoding.
 _CHUNK = 1 << 20
 #: Longest CSV field or JSON Lines line (characters): refused while it is read.
@@ -459,19 +461,14 @@ def _datasets_dir(path: Path, limit: int | None) -> list[dict]:
 
 
 def _packaged(name: str, limit: int | None) -> list[dict]:
-    from .. import packaged
-
-    corpora = {
-        "packaged:rotten_tomatoes": packaged.rotten_tomatoes,
-        "packaged:presidential_debates": packaged.presidential_debates,
-    }
-    if name not in corpora:
+    if name not in PACKAGED_DATA:
         raise ConfigError(
             f"data={name!r} is unknown; allowed: {', '.join(PACKAGED_DATA)}",
             field="data",
             value=name,
         )
-    return [{"text": t, "label": y} for t, y in corpora[name](limit=limit)]
+    corpus = CORPORA[name.removeprefix("packaged:")]
+    return [{"text": t, "label": y} for t, y in corpus(limit=limit)]
 
 
 def _json_cell(text: str, column: str, row: int) -> Any:

@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 DATA_HELP = (
-    "CSV, JSONL, JSON, Parquet, a saved dataset folder, packaged:rotten_tomatoes or "
-    "packaged:presidential_debates"
+    "CSV, JSONL, JSON, Parquet, a saved dataset folder, packaged:rotten_tomatoes, "
+    "packaged:presidential_debates or packaged:convention_speeches"
 )
 #: dtype names ``from_pretrained`` takes as ``torch_dtype`` / ``dtype``.
 DTYPES = ("auto", "bfloat16", "float16", "float32", "float64", "half", "float", "double")

