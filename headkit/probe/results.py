@@ -314,7 +314,9 @@ class ProbeResults:
         head: one Linear layer whose weights are the refitted probe's (standardisation folded
         in), reading the same layer and pooling, so its predictions on the held-out inputs
         are the probe's. ``model``: the backbone to attach it to (default: the sweep's own,
-        loaded again from its path). Save it with ``save_pretrained``, export or serve it."""
+        loaded again from its path). Save it with ``save_pretrained``, export or serve it. A
+        pairwise probe becomes a reward head (``loss_fct="bradley_terry"``, one output, bias 0)
+        whose ``r(chosen) - r(rejected)`` is the probe's held-out margin."""
         import torch
 
         from ..config import HeadConfig

@@ -122,14 +122,27 @@ def probe_layers(
     if task == "pairwise" or (
         texts is None and labels is None and inputs is not None and is_pair_rows(list(inputs))
     ):
-        if labels is not None or test_inputs is not None or test_labels is not None or control:
-            given = "labels" if labels is not None else "control" if control else "test_inputs"
-            raise ConfigError(
-                f"{given} does not apply to preference pairs (task='pairwise'): the pairs are "
-                "their own labels; give the rows alone, and a held-out share by test_fraction",
-                field=given,
-                value=task,
-            )
+        refused = {
+            "labels": (
+                labels,
+                "each pair is its own label (chosen over rejected); give the rows alone",
+            ),
+            "control": (
+                control,
+                "a pair has no class to draw a control label from; leave it False",
+            ),
+            "test_inputs": (
+                test_inputs if test_inputs is not None else test_labels,
+                "the probe holds out test_fraction of the pairs",
+            ),
+        }
+        for name, (value, why) in refused.items():
+            if value is not None and value is not False:
+                raise ConfigError(
+                    f"{name} does not apply to preference pairs (task='pairwise'): {why}",
+                    field=name,
+                    value=value if isinstance(value, bool) else type(value).__name__,
+                )
         return _probe_pairs(
             model,
             list(inputs if inputs is not None else texts or []),

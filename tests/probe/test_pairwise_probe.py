@@ -132,8 +132,10 @@ def test_refusals_name_the_value_and_what_is_allowed(tiny_dir) -> None:
         probe_layers(tiny_dir, pairs[:5], progress=False)
     with pytest.raises(ConfigError, match="labels does not apply to preference pairs"):
         probe_layers(tiny_dir, pairs, [1] * 20, task="pairwise", progress=False)
-    with pytest.raises(ConfigError, match="control does not apply"):
+    with pytest.raises(ConfigError, match="control does not apply .* no class to draw"):
         probe_layers(tiny_dir, pairs, control=True, progress=False)
+    with pytest.raises(ConfigError, match="test_inputs does not apply .* holds out test_fr"):
+        probe_layers(tiny_dir, pairs, test_inputs=pairs, progress=False)
     with pytest.raises(ConfigError, match="preference row 0 is a str"):
         probe_layers(tiny_dir, ["w1 w2"] * 10, task="pairwise", progress=False)
     with pytest.raises(ConfigError, match="0 of 20 preference pairs fit in max_length=5"):
