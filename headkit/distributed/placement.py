@@ -92,7 +92,7 @@ def head_devices(
 ) -> dict[str, torch.device]:
     """Each head's device from ``model.hf_device_map`` (``model`` is what was loaded: the
     backbone or a task model holding it), by the state it reads (a hidden-state index, or
-    ``(DECODER, index)`` on an encoder–decoder model's decoder); ``default`` without a map
+    a ``StateKey``); ``default`` without a map
     or where the map names none of the producing modules."""
     device_map = getattr(model, "hf_device_map", None)
     if not isinstance(device_map, Mapping) or not device_map:
@@ -100,10 +100,9 @@ def head_devices(
     prefix = path_of(model, backbone)
     out = {}
     for head, key in layer_of_head.items():
-        # a decoder state is (DECODER, index); past the last block (last_hidden_state), the
-        # final norm produces it
-        stack, layer = (info, key) if isinstance(key, int) else (info.stack_info(key[0]), key[1])
-        layer = min(layer, stack.num_layers)
+        # past the last block (last_hidden_state), the final norm produces it
+        stack = info.stack_info(key.stack)
+        layer = min(key.index, stack.num_layers)
         device = None
         for name in producers(backbone, stack, layer):
             device = execution_device(device_map, f"{prefix}.{name}" if prefix else name)
