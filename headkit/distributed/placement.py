@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..backbone.inspection import BackboneInfo, path_of
+from ..modules import device_of, first_parameter
 
 _OFFLOADED = ("cpu", "disk")
 
@@ -115,13 +116,10 @@ def head_devices(
 def on_device_of(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``hidden`` on the device of ``head``'s first parameter (a head sharing the input
     embeddings' matrix, a tied LM head, lives where that matrix does)."""
-    for p in head.parameters():
-        return hidden if hidden.device == p.device else hidden.to(p.device)
-    return hidden
+    p = first_parameter(head)
+    return hidden if p is None or hidden.device == p.device else hidden.to(p.device)
 
 
 def loss_device(heads: nn.Module, default: torch.device) -> torch.device:
     """Where the total loss is gathered: the first head's device (``default`` without one)."""
-    for p in heads.parameters():
-        return p.device
-    return default
+    return device_of(heads, default)

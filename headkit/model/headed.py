@@ -46,6 +46,7 @@ from ..generation.generate import HeadedGenerationMixin
 from ..heads.base import HeadDict, build_head, get_submodule_by_name
 from ..losses.objective import head_losses, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
+from ..modules import device_of
 from .guards import NonFiniteGuard, ValueChecks
 from .head_inputs import (
     StateKey,
@@ -179,7 +180,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self._check_targets()
         # each head on the device of the block producing its layer (placement.py)
         devices = head_devices(
-            model, self.backbone, self.info, self._state_keys, _device_of(self.backbone)
+            model, self.backbone, self.info, self._state_keys, device_of(self.backbone)
         )
         pooler, pooler_size = self.info.pooler, self.info.pooler_size
         budget = self.max_head_parameters
@@ -253,7 +254,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                 kwargs = {**{k: v for k, v in scheme.items() if k != "name"}, **kwargs}
                 scheme = scheme.get("name", "fixed")
             self.loss_weighting = build_weighting(scheme, weights, **kwargs)
-        self.loss_weighting.to(loss_device(self.heads, _device_of(self.backbone)))
+        self.loss_weighting.to(loss_device(self.heads, device_of(self.backbone)))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -263,7 +264,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return _device_of(self.backbone)
+        return device_of(self.backbone)
 
     @property
     def peft_config(self) -> dict:
@@ -435,7 +436,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Apply the loss weighting and non-finite guard; return (total, adapted by head).
         The losses are gathered on the first head's device first (``placement.py``)."""
-        device = loss_device(self.heads, _device_of(self.backbone))
+        device = loss_device(self.heads, device_of(self.backbone))
         losses = {k: v.to(device) for k, v in losses.items()}
         return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
 
@@ -511,9 +512,3 @@ def _check_budget(value: Any) -> int | None:
             f"max_head_parameters={value!r} is invalid; a positive integer, or None for no limit"
         )
     return int(value)
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
