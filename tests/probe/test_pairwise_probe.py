@@ -121,6 +121,20 @@ def test_prompt_is_prepended_and_pairs_too_long_are_dropped(tiny_dir) -> None:
     assert res.best().score > 0.7
 
 
+def test_conversational_pairs_go_through_the_chat_template(tiny_dir) -> None:
+    tokenizer = source_tokenizer(str(tiny_dir))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+    def chat(text: str) -> list[dict]:
+        return [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": text}]
+
+    pairs = [{"chosen": chat(p["chosen"]), "rejected": chat(p["rejected"])} for p in cue_pairs(60)]
+    res = probe_layers(tiny_dir, pairs, tokenizer=tokenizer, layers="-1", progress=False)
+    assert res.task == "pairwise" and res.best().score > 0.7
+    with pytest.raises(ConfigError, match="has no 'chosen' column"):
+        probe_layers(tiny_dir, [{"rejected": chat("w1")}] * 10, task="pairwise", progress=False)
+
+
 def test_refusals_name_the_value_and_what_is_allowed(tiny_dir) -> None:
     pairs = cue_pairs(20)
     with pytest.raises(ConfigError, match="has no 'rejected' column") as e:
