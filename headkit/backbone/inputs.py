@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from ..errors import BatchError
 from .checks import check_inputs, check_signal, check_vision_language, input_embeddings
-from .inspection import OWN_INPUTS, BackboneInfo, run_backbone
+from .inspection import OWN_INPUTS, BackboneInfo, StateKey, run_backbone
 from .modalities import SIGNAL_INPUTS, frame_mask
 from .positions import (
     check_position_range,
@@ -281,12 +281,12 @@ def run_stage(
     backbone: PreTrainedModel,
     info: BackboneInfo,
     inputs: BackboneInputs,
-    wanted: set[int],
+    wanted: set[StateKey],
     early_exit: bool,
-) -> tuple[dict[int, torch.Tensor], Any]:
+) -> tuple[dict[StateKey, torch.Tensor], Any]:
     """``run_backbone`` on prepared inputs; an out-of-range embedding index is a BatchError,
     and so are heads on an encoder–decoder model's decoder without decoder inputs."""
-    if inputs.decoder_kwargs is None and any(not isinstance(k, int) for k in wanted):
+    if inputs.decoder_kwargs is None and any(k.on_decoder for k in wanted):
         raise BatchError(
             f"heads on the decoder of {type(backbone).__name__} (stack='decoder') need "
             "decoder_input_ids (or decoder_inputs_embeds) in the batch; heads with "

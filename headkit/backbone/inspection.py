@@ -9,13 +9,15 @@ the last index what HF returns there: the ``last_hidden_state`` (after the final
 the module recording the states (the model, or a VLM's language model) where its forward ties
 it, the last block's output where it does not (ViT, DINOv2, wav2vec2: see
 ``modalities.stack_ties_last``); index ``num_layers + 1`` is then the ``last_hidden_state``.
-Decoder states of an encoder–decoder model are captured under ``(DECODER, index)``.
+Captured states are keyed by ``StateKey(stack, index)``: the stack ("encoder": a model's
+only stack, or an encoder–decoder model's encoder; "decoder") and the index into its states.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -39,6 +41,24 @@ from .modalities import (
     stage_depths,
 )
 from .positions import PositionScheme, position_scheme
+
+
+class StateKey(NamedTuple):
+    """A captured hidden state: ``index`` into the hidden states of the block stack ``stack``
+    ("encoder": a model's only stack, or an encoder–decoder model's encoder; "decoder").
+
+    Index 0 is the embeddings, i the output of block i; ``num_layers + 1`` is the
+    ``last_hidden_state`` of a stack whose ``hidden_states[-1]`` is taken before its final
+    norm (see the module docstring)."""
+
+    stack: str
+    index: int
+
+    @property
+    def on_decoder(self) -> bool:
+        """Whether this is a state of an encoder–decoder model's decoder."""
+        return self.stack == DECODER
+
 
 #: The input names the input stage handles itself (``inputs.STAGE_INPUTS``).
 OWN_INPUTS = (
@@ -297,7 +317,7 @@ def _is_causal(model: nn.Module) -> bool:
 def run_backbone(
     model: nn.Module,
     info: BackboneInfo,
-    wanted: set,
+    wanted: set[StateKey],
     early_exit: bool,
     inputs: dict,
     decoder_inputs: dict | None = None,
@@ -312,31 +332,34 @@ def run_backbone(
     """
     if info.decoder is not None:
         return run_encoder_decoder(model, info, wanted, early_exit, inputs, decoder_inputs or {})
-    return _run_stack(model, info, wanted, early_exit, inputs)
+    states, out = _run_stack(model, info, {k.index for k in wanted}, early_exit, inputs)
+    return {StateKey(info.stack, i): v for i, v in states.items()}, out
 
 
 def run_encoder_decoder(
     model: nn.Module,
     info: BackboneInfo,
-    wanted: set,
+    wanted: set[StateKey],
     early_exit: bool,
     inputs: dict,
     decoder_inputs: dict,
 ) -> tuple[dict, object | None]:
-    """Encoder states at int indices, decoder states at ``(DECODER, index)``.
+    """The encoder's and the decoder's wanted states, by ``StateKey``.
 
     Without decoder states wanted, only the encoder runs (as deep as needed). Otherwise the
     encoder runs in full (or its ``encoder_outputs`` are given) and the decoder as deep as
     needed; the output is the decoder's (None after an early exit).
     """
-    enc_wanted = {k for k in wanted if isinstance(k, int)}
-    dec_wanted = {k[1] for k in wanted if not isinstance(k, int)}
+    enc_wanted = {k.index for k in wanted if not k.on_decoder}
+    dec_wanted = {k.index for k in wanted if k.on_decoder}
     encoder_outputs = decoder_inputs.get("encoder_outputs")
     if not dec_wanted and encoder_outputs is None:
-        return _run_stack(model.get_encoder(), info, enc_wanted, early_exit, inputs)
+        states, out = _run_stack(model.get_encoder(), info, enc_wanted, early_exit, inputs)
+        return {StateKey(info.stack, i): v for i, v in states.items()}, out
     captured: dict = {}
     if encoder_outputs is None:
-        captured, encoder_outputs = _run_stack(model.get_encoder(), info, enc_wanted, False, inputs)
+        states, encoder_outputs = _run_stack(model.get_encoder(), info, enc_wanted, False, inputs)
+        captured = {StateKey(info.stack, i): v for i, v in states.items()}
     elif enc_wanted:
         raise BatchError("encoder heads need the encoder run: encoder_outputs cannot be given")
     dec = info.decoder
@@ -345,7 +368,7 @@ def run_encoder_decoder(
     if "encoder_attention_mask" in dec.forward_params and inputs.get("attention_mask") is not None:
         kwargs["encoder_attention_mask"] = inputs["attention_mask"]
     states, out = _run_stack(model.get_decoder(), dec, dec_wanted, early_exit, kwargs)
-    captured.update({(DECODER, i): v for i, v in states.items()})
+    captured.update({StateKey(DECODER, i): v for i, v in states.items()})
     return captured, out
 
 
@@ -436,7 +459,7 @@ def stack_runners(model: nn.Module, info: BackboneInfo) -> list[tuple[nn.Module,
     return [(model.get_encoder(), info), (model.get_decoder(), info.decoder)]
 
 
-def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
+def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set[StateKey]) -> None:
     """Install transformers' own output-capturing hooks now, as its first
     ``output_hidden_states=True`` call would: under torch.compile heads below the last layer
     read ``hidden_states``, and hooks cannot be installed inside a traced graph. They do
@@ -449,11 +472,7 @@ def prepare_tracing(model: nn.Module, info: BackboneInfo, wanted: set) -> None:
                 install_capturing_hooks(module)
         return
     for runner, stack in stack_runners(model, info):
-        keys = {
-            (k if isinstance(k, int) else k[1])
-            for k in wanted
-            if isinstance(k, int) == (stack.stack != DECODER)
-        }
+        keys = {k.index for k in wanted if k.on_decoder == (stack.stack == DECODER)}
         tied = stack.tie_last and not stack.last_from  # read from the runner's output
         if keys <= {stack.num_layers + 1} or (keys <= {stack.num_layers} and tied):
             continue

@@ -58,7 +58,7 @@ NOT_INPUTS = frozenset(
 )
 #: Modalities a backbone can have (``modality_of``).
 MODALITIES = ("text", "vision", "speech", "vision-language")
-#: The key of a decoder state among the captured states: ``(DECODER, index)``.
+#: The stack name of an encoder–decoder model's decoder (``StateKey.stack``, ``HeadConfig.stack``).
 DECODER = STACKS[1]
 #: Config attributes holding the ids of the tokens that stand for image (or video) patches.
 _IMAGE_TOKEN_ATTRS = ("image_token_id", "image_token_index", "video_token_id")

@@ -43,10 +43,12 @@ EXAMPLE = """example:
   headkit probe --model ./my-vit --data images.csv --image-column path --output runs/vit
   headkit probe --model ./my-wav2vec2 --data clips.csv --audio-column wav --output runs/w2v
   headkit probe --model packaged:minilm --data train.csv --output runs/p --save runs/probe-head
+  headkit probe --model packaged:minilm --data pairs.jsonl --output runs/reward
 writes DIR/probe_results.json (held-out "accuracy" or "r2" per layer, per-class metrics, the
-best probe's predictions) and DIR/probe_results.png; with --test-data the probes are scored on
-that file (validation still comes from --data); --save writes the best probe as a headkit
-checkpoint (headkit predict / eval / export read it)"""
+best probe's predictions; "pairwise_accuracy" and "mean_margin" for preference pairs: a
+file with chosen / rejected columns, as TRL writes them) and DIR/probe_results.png; with
+--test-data the probes are scored on that file (validation still comes from --data); --save
+writes the best probe as a headkit checkpoint (headkit predict / eval / export read it)"""
 
 #: The files ``headkit probe`` writes into its output folder.
 RESULT_FILES = ("probe_results.json", "probe_results.png")
@@ -74,7 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "file's folder) or a datasets Audio column, read by the model folder's feature extractor",
     )
     add("--label-column", default="label", help="default: label (token task: one per word)")
-    add("--task", default="classification", choices=("classification", "regression", "token"))
+    add(
+        "--task",
+        choices=("classification", "regression", "token", "pairwise"),
+        help="default: pairwise for data with chosen / rejected columns (preference pairs: a "
+        "linear reward per layer), else classification",
+    )
     # no string default: argparse would convert it (importing torch) before a usage error
     add("--layers", type=layers, help="all (default), 0,3,6 or -4: (0 = embeddings)")
     add("--pooling", type=poolings, help="mean (default), or several: mean,first,last,max")
@@ -129,7 +136,12 @@ def run(args: argparse.Namespace) -> None:
     out = check_results_folder(args.output, inputs, args.overwrite)
     save = _check_save(args, inputs)
     check_model_kwargs(dict(args.model_kwarg))
-    texts, labels = read_examples(args, args.data)
+    pairs, rows = read_pairs(args, args.data)
+    if pairs is not None:
+        texts, labels = pairs, None
+    else:
+        args.task = args.task or "classification"
+        texts, labels = read_examples(args, args.data, rows)
     test: dict = {}
     if args.test_data is not None:
         try:
@@ -211,18 +223,76 @@ def save_probe(results: ProbeResults, folder: Path, args: argparse.Namespace) ->
         "label_columns": {"probe": args.label_column},
         "max_length": args.max_length,
     }
+    if results.task == "pairwise":  # headkit eval reads preference pairs with it
+        settings = {"format": "pairs", "max_length": args.max_length}
     best = results.best()
     save_trained(model, tokenizer, folder, settings)
     print(f"wrote the probe of layer {best.layer} ({best.pooling}) to {folder}")
 
 
-def read_examples(args: argparse.Namespace, source: str) -> tuple[list, list]:
+#: The columns of preference pairs (TRL's); ``prompt`` is optional.
+PAIR_COLUMNS = ("chosen", "rejected")
+
+
+def read_pairs(args: argparse.Namespace, source: str) -> tuple[list[dict] | None, list[dict]]:
+    """(the preference rows of a data file, or None for other data; the rows as read):
+    pairs for ``--task pairwise`` or, by default, a file with a ``chosen`` or ``rejected``
+    column, conversations in JSON cells read as lists. Refused before torch is imported: a
+    missing column, an empty side, an option that does not apply to pairs."""
+    from .datafiles import columns_of, read_rows
+
+    rows = read_rows(source, args.limit, args.encoding)
+    present = columns_of(rows) if rows else []
+    if args.task not in (None, "pairwise") or (
+        args.task is None and not set(PAIR_COLUMNS) & set(present)
+    ):
+        return None, rows
+    args.task = "pairwise"
+    allowed = "preference pairs need the columns chosen and rejected (prompt optional)"
+    for column in PAIR_COLUMNS:
+        if column not in present:
+            raise ConfigError(
+                f"{source} has no {column!r} column (columns: {', '.join(present)}); {allowed}",
+                field=column,
+                value=None,
+            )
+    for i, row in enumerate(rows):
+        for column in PAIR_COLUMNS:
+            value = row.get(column)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                raise ConfigError(
+                    f"{column}={value!r} in {_row_of(source, i)} is empty; {allowed}, each a "
+                    "non-empty text or conversation",
+                    field=column,
+                    value=value,
+                )
+    for option, given in (
+        ("--test-data", args.test_data),
+        ("--control", args.control),
+        ("--image-column", args.image_column),
+        ("--audio-column", args.audio_column),
+    ):
+        if given:
+            raise ConfigError(
+                f"{option} does not apply to preference pairs ({source} has chosen / rejected "
+                "columns); the probe holds out --test-fraction of the pairs",
+                field=option,
+                value=given,
+            )
+    from .rewards import _cells  # conversations in a CSV's JSON cells (imports torch)
+
+    return _cells(rows), rows
+
+
+def read_examples(
+    args: argparse.Namespace, source: str, rows: list[dict] | None = None
+) -> tuple[list, list]:
     """(inputs, labels) of a data file by the task: texts (or images / audio by
     ``--image-column`` / ``--audio-column``) and classes, numbers or per-word labels; empty
     label cells are refused with their row numbers."""
     from .datafiles import as_list, as_number, read_rows, require_columns, require_labels
 
-    rows = read_rows(source, args.limit, args.encoding)
+    rows = rows if rows is not None else read_rows(source, args.limit, args.encoding)
     option, tc, lc = "--text-column", args.text_column, args.label_column
     if args.image_column or args.audio_column:
         option = "--image-column" if args.image_column else "--audio-column"

@@ -29,6 +29,7 @@ from ..errors import BatchError, ConfigError
 from ..losses.objective import label_rule
 from ..losses.pairwise import CHOSEN, NOT_READ, REJECTED
 from .collator import HeadedCollator
+from .examples import example_columns, map_examples
 
 #: TRL's column names of tokenised pairs: (chosen, rejected[, chosen mask, rejected mask]).
 TOKENIZED_PAIRS = (
@@ -160,7 +161,8 @@ def tokenize_preferences(
     *,
     max_length: int | None = 1024,
 ) -> Any:
-    """Preference data (a ``datasets.Dataset`` or a list of dicts) → the same kind with the
+    """Preference data (a ``datasets.Dataset``, a streamed ``IterableDataset``, a list of
+    dicts) → the same kind (a list for other iterables) with the
     columns ``PreferenceCollator`` reads: ``chosen_ids`` / ``rejected_ids`` / ``margin`` for
     heads reading the plain columns, ``T_chosen_ids`` ... for a head reading its own; pairs
     longer than ``max_length`` (either side; None: no limit) are dropped, as TRL does."""
@@ -171,7 +173,7 @@ def tokenize_preferences(
         )
     if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
         raise ConfigError(f"max_length={max_length!r} is invalid; an integer >= 1 or None")
-    columns = _columns(data)
+    columns = example_columns(data, "preference data")
     prefixes = sorted(set(pair_sources(head_configs, columns).values()))
 
     def encode(example: Mapping[str, Any]) -> dict[str, Any]:
@@ -187,25 +189,8 @@ def tokenize_preferences(
             for side in ("chosen", "rejected")
         )
 
-    if hasattr(data, "map") and hasattr(data, "column_names"):  # a datasets.Dataset
-        encoded = data.map(encode, remove_columns=list(data.column_names), desc="Tokenizing pairs")
-        return encoded.filter(short) if max_length is not None else encoded
-    return [e for e in (encode(x) for x in data) if short(e)]
-
-
-def _columns(data: Any) -> list[str]:
-    names = getattr(data, "column_names", None)
-    if names is not None:
-        return list(names)
-    try:
-        first = next(iter(data))
-    except StopIteration:
-        raise BatchError("preference data: the dataset is empty") from None
-    if not isinstance(first, Mapping):
-        raise BatchError(
-            f"preference data: an example is a {type(first).__name__}; expected a dict"
-        )
-    return list(first)
+    keep = short if max_length is not None else None
+    return map_examples(data, encode, keep, desc="Tokenizing pairs")
 
 
 def pair_columns(head_configs: Mapping[str, Any], columns: Iterable[str]) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import BatchError, ConfigError
 from ..losses.objective import IGNORE_INDEX, label_rule
+from .examples import map_examples
 
 #: TRL PRMConfig's default separator between steps.
 STEP_SEPARATOR = "\n"
@@ -101,16 +102,15 @@ def tokenize_stepwise(
     is_eval: bool = False,
     **options: Any,
 ) -> Any:
-    """Stepwise data (a ``datasets.Dataset`` or a list of dicts) → ``input_ids`` and the step
+    """Stepwise data (a ``datasets.Dataset``, a streamed ``IterableDataset``, a list of dicts)
+    → ``input_ids`` and the step
     labels under ``target`` (the PRM head's target); ``options``: ``tokenize_steps``'s."""
 
     def encode(example: Mapping[str, Any]) -> dict[str, Any]:
         out = tokenize_steps(example, tokenizer, is_eval=is_eval, **options)
         return {"input_ids": out["input_ids"], target: out["labels"]}
 
-    if hasattr(data, "map") and hasattr(data, "column_names"):
-        return data.map(encode, remove_columns=list(data.column_names), desc="Tokenizing steps")
-    return [encode(x) for x in data]
+    return map_examples(data, encode, desc="Tokenizing steps")
 
 
 def _probabilities(preds: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..backbone.inspection import BackboneInfo, path_of
+from ..modules import device_of, first_parameter
 
 _OFFLOADED = ("cpu", "disk")
 
@@ -92,7 +93,7 @@ def head_devices(
 ) -> dict[str, torch.device]:
     """Each head's device from ``model.hf_device_map`` (``model`` is what was loaded: the
     backbone or a task model holding it), by the state it reads (a hidden-state index, or
-    ``(DECODER, index)`` on an encoder–decoder model's decoder); ``default`` without a map
+    a ``StateKey``); ``default`` without a map
     or where the map names none of the producing modules."""
     device_map = getattr(model, "hf_device_map", None)
     if not isinstance(device_map, Mapping) or not device_map:
@@ -100,10 +101,9 @@ def head_devices(
     prefix = path_of(model, backbone)
     out = {}
     for head, key in layer_of_head.items():
-        # a decoder state is (DECODER, index); past the last block (last_hidden_state), the
-        # final norm produces it
-        stack, layer = (info, key) if isinstance(key, int) else (info.stack_info(key[0]), key[1])
-        layer = min(layer, stack.num_layers)
+        # past the last block (last_hidden_state), the final norm produces it
+        stack = info.stack_info(key.stack)
+        layer = min(key.index, stack.num_layers)
         device = None
         for name in producers(backbone, stack, layer):
             device = execution_device(device_map, f"{prefix}.{name}" if prefix else name)
@@ -116,13 +116,10 @@ def head_devices(
 def on_device_of(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``hidden`` on the device of ``head``'s first parameter (a head sharing the input
     embeddings' matrix, a tied LM head, lives where that matrix does)."""
-    for p in head.parameters():
-        return hidden if hidden.device == p.device else hidden.to(p.device)
-    return hidden
+    p = first_parameter(head)
+    return hidden if p is None or hidden.device == p.device else hidden.to(p.device)
 
 
 def loss_device(heads: nn.Module, default: torch.device) -> torch.device:
     """Where the total loss is gathered: the first head's device (``default`` without one)."""
-    for p in heads.parameters():
-        return p.device
-    return default
+    return device_of(heads, default)

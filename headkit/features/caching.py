@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..backbone.fingerprint import tensors_fingerprint
 from ..backbone.inputs import batch_inputs, drop_tokenizer_extras, prepare_inputs, run_stage
+from ..backbone.modalities import DECODER
 from ..distributed import ranks
 from ..errors import BatchError, ConfigError
 from ..losses.objective import (
@@ -278,10 +279,11 @@ def _cache_batch(
     inputs, labels = _split_batch(model, batch)
     mask = inputs.mask
     masks = model.head_masks(inputs)  # per head: its stack's positions, pool_over
-    wanted = {info["layer"] for info in heads.values()}
+    keys = model.state_keys()
+    wanted = {keys[name] for name in heads}
     captured, _ = run_stage(model.backbone, model.info, inputs, wanted, model.early_exit)
     # (batch, seq, hidden): an encoder state where one was read (only decoder heads: a decoder's)
-    ref = next((v for k, v in captured.items() if isinstance(k, int)), None)
+    ref = next((v for k, v in captured.items() if not k.on_decoder), None)
     ref = next(iter(captured.values())) if ref is None else ref
     real = mask.bool() if mask is not None else torch.ones(ref.shape[:2], dtype=torch.bool)
     real = real.to(ref.device)
@@ -296,7 +298,7 @@ def _cache_batch(
         if info["features"] in done:
             continue  # heads on the same layer and pooling share one array
         done.add(info["features"])
-        hidden = captured[info["layer"]]
+        hidden = captured[keys[name]]
         if info["layout"] == "pooled":
             x = model.heads[name].features(hidden, masks[name])  # (batch, width)
         else:
@@ -348,13 +350,13 @@ def _plan_heads(model: HeadedModel) -> dict[str, dict[str, Any]]:
     for name, head in model.heads.items():
         cfg = model.head_configs[name]
         layer = hooks[name]
-        if not isinstance(layer, int) and not cfg.pred_for_sequence:
+        if layer.on_decoder and not cfg.pred_for_sequence:
             raise ConfigError(
                 f"head {name!r} reads the decoder per position; cached features keep the "
                 "encoder's positions: cache sequence heads of the decoder, or train it through "
                 "HeadedModel.forward"
             )
-        place = f"L{layer}" if isinstance(layer, int) else f"D{layer[1]}"
+        place = f"{'D' if layer.on_decoder else 'L'}{layer.index}"
         if cfg.pool_over != "all":
             place += f".{cfg.pool_over}"
         trainable_pool = head.pooling is not None and any(
@@ -367,7 +369,7 @@ def _plan_heads(model: HeadedModel) -> dict[str, dict[str, Any]]:
         plan[name] = {
             "layout": layout,
             "features": key,
-            "layer": layer,
+            "layer": [DECODER, layer.index] if layer.on_decoder else layer.index,  # JSON
             "pred_for_sequence": cfg.pred_for_sequence,
             "pooling": cfg.pooling,
         }

@@ -29,7 +29,6 @@ from .._transformers import (
 )
 from ..backbone.inputs import check_inputs, prepare_inputs, run_stage
 from ..errors import BatchError, ConfigError
-from ..model.head_inputs import layer_index
 from .budget import check_generation_size, prompt_shape
 from .recording import Recorder, stitch, until_eos
 from .seq2seq import Seq2SeqDriver, encoder_head_outputs
@@ -153,7 +152,7 @@ class HeadedGenerationMixin:
             kwargs["return_dict_in_generate"] = True
         effective = _effective_config(self, generation_config, kwargs)
         keys, recorded = plan.head_layers | {plan.lm_layer}, set(plan.sequence_heads.values())
-        layers = {layer_index(k) for k in keys}  # (DECODER, index) too
+        layers = {k.index for k in keys}
         shape = prompt_shape(self, input_ids, kwargs)
         check_generation_size(self, shape, effective, layers, len(recorded))
         driver = _driver_class(type(self.backbone), self.info.encoder_decoder)(self, plan)
@@ -229,14 +228,14 @@ def _plan(model: HeadedModel, ignore: set[str], lm_name: str | None) -> _Plan:
             f"({vocab}); generate needs a causal-LM head over the whole vocabulary"
         )
     hooks = model.state_keys()
-    if model.info.encoder_decoder and isinstance(hooks[lm], int):
+    if model.info.encoder_decoder and not hooks[lm].on_decoder:
         raise ConfigError(
             f"HeadConfig(name={lm!r}) reads the encoder (stack='encoder'), but generate on an "
             "encoder–decoder model chooses tokens with a causal-LM head on its decoder; give "
             f"it stack='decoder', or pass lm_head_name= to choose a decoder head."
         )
     active = [n for n in model.head_configs if n != lm and n not in ignore]
-    on_encoder = [n for n in active if model.info.encoder_decoder and isinstance(hooks[n], int)]
+    on_encoder = [n for n in active if model.info.encoder_decoder and not hooks[n].on_decoder]
     stepped = [n for n in active if n not in on_encoder]
     return _Plan(
         lm=lm,

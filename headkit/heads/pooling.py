@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import BatchError, ConfigError
+from ..modules import first_parameter
 from ..registry import Registry
 
 POOLINGS: Registry = Registry("pooling strategy", "pooling")
@@ -382,7 +383,7 @@ class SequencePooling(nn.Module):
     @property
     def has_parameters(self) -> bool:
         """Whether any strategy learns (then its output cannot be shared between heads)."""
-        return any(True for _ in self.strategies.parameters())
+        return first_parameter(self.strategies) is not None
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count."""

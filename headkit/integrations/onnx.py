@@ -124,11 +124,11 @@ class ExportGraph(nn.Module):
 
     def __init__(self, model: HeadedModel, names: list[str]) -> None:
         super().__init__()
-        layers = model.hooked_layers()
-        self.state_keys = {n: layers[n] for n in names}
+        keys = model.state_keys()
+        self.state_keys = {n: keys[n] for n in names}
         wanted = set(self.state_keys.values())
         info = model.info
-        deepest = max(wanted)
+        deepest = max(k.index for k in wanted)
         self.blocks = info.num_layers
         if deepest < info.num_layers or not info.tie_last:
             self.blocks = max(deepest, 1)  # index 0 (embeddings) is the input of block 0

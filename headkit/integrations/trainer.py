@@ -72,6 +72,7 @@ from transformers import Trainer, TrainerCallback
 from ..checkpoint import MANIFEST, restore
 from ..checkpoint.card import refresh_card, trainer_metrics
 from ..data.collator import HeadedCollator
+from ..data.examples import example_columns, is_streamed
 from ..data.preferences import (
     PreferenceCollator,
     has_texts,
@@ -198,6 +199,8 @@ class HeadedTrainer(Trainer):
         columns = getattr(data, "column_names", None)
         if columns is None and isinstance(data, list) and data and isinstance(data[0], Mapping):
             columns = list(data[0])
+        if columns is None and is_streamed(data):  # streamed: columns known once read
+            columns = example_columns(data, "HeadedTrainer: the dataset")
         if not columns:
             return data
         heads = model.head_configs

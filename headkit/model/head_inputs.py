@@ -1,9 +1,9 @@
 """Where each head reads: its config resolved against the backbone, its state and its mask.
 
-A head reads one captured state: an index into its stack's ``hidden_states`` (the model's
-only stack, or an encoder–decoder model's encoder), ``(DECODER, index)`` on an
-encoder–decoder model's decoder, and ``num_layers + 1`` for ``last_hidden_state=True`` where
-HF's ``hidden_states[-1]`` is taken before the final norm. Its mask is its stack's (the
+A head reads one captured state, a ``StateKey(stack, index)``: its stack ("encoder": the
+model's only stack or an encoder–decoder model's encoder; "decoder") and the index into that
+stack's ``hidden_states`` (``num_layers + 1`` for ``last_hidden_state=True`` where HF's
+``hidden_states[-1]`` is taken before the final norm). Its mask is its stack's (the
 attention mask, a speech model's frame mask, none for images, the decoder's mask), narrowed
 to text or image tokens by ``pool_over``.
 """
@@ -18,15 +18,12 @@ import torch
 from transformers import PreTrainedModel
 
 from ..backbone.inputs import BackboneInputs
-from ..backbone.inspection import BackboneInfo
-from ..backbone.modalities import DECODER, default_pooling, image_token_ids, pool_over_mask
+from ..backbone.inspection import BackboneInfo, StateKey
+from ..backbone.modalities import default_pooling, image_token_ids, pool_over_mask
 from ..config import HeadConfig
 from ..distributed.placement import on_device_of
 from ..errors import BatchError, ConfigError
 from ..heads.base import Head
-
-#: What a head reads among the captured states: an index, or ``(DECODER, index)``.
-StateKey = int | tuple[str, int]
 
 
 def resolve_config(info: BackboneInfo, backbone: PreTrainedModel, cfg: HeadConfig) -> HeadConfig:
@@ -81,12 +78,7 @@ def state_key(info: BackboneInfo, cfg: HeadConfig) -> StateKey:
     index = stack.resolve_hook(cfg.layer_hook, cfg.name)
     if cfg.last_hidden_state and not stack.tie_last:
         index = stack.num_layers + 1
-    return (DECODER, index) if stack is not info else index
-
-
-def layer_index(key: StateKey) -> int:
-    """The index into its stack's hidden states of a state key."""
-    return key if isinstance(key, int) else key[1]
+    return StateKey(stack.stack, index)
 
 
 def reached_blocks(info: BackboneInfo, keys: Iterable[StateKey]) -> list[tuple[str, list]]:
@@ -94,8 +86,8 @@ def reached_blocks(info: BackboneInfo, keys: Iterable[StateKey]) -> list[tuple[s
     stack up to its deepest state read (all of it for ``last_hidden_state``); an
     encoder–decoder model's whole encoder when a head reads its decoder."""
     keys = list(keys)
-    decoder = [k[1] for k in keys if not isinstance(k, int)]
-    encoder = [k for k in keys if isinstance(k, int)]
+    decoder = [k.index for k in keys if k.on_decoder]
+    encoder = [k.index for k in keys if not k.on_decoder]
     if decoder:
         dec = info.decoder
         return [
@@ -115,7 +107,7 @@ def head_masks(
     out: dict[str, torch.Tensor | None] = {}
     restricted: dict[tuple, torch.Tensor | None] = {}  # (stack, pool_over) → mask, built once
     for name, cfg in configs.items():
-        mask = inputs.mask if isinstance(keys[name], int) else inputs.decoder_mask
+        mask = inputs.decoder_mask if keys[name].on_decoder else inputs.mask
         if cfg.pool_over != "all":
             if inputs.input_ids is None:
                 raise BatchError(
@@ -123,7 +115,7 @@ def head_masks(
                     f"{cfg.pool_over!r}), which are read from input_ids; pass input_ids, "
                     "not inputs_embeds"
                 )
-            key = (isinstance(keys[name], int), cfg.pool_over)
+            key = (keys[name].stack, cfg.pool_over)
             if key not in restricted:
                 ids = image_token_ids(backbone.config)
                 restricted[key] = pool_over_mask(mask, inputs.input_ids, ids, cfg.pool_over)

@@ -46,12 +46,12 @@ from ..generation.generate import HeadedGenerationMixin
 from ..heads.base import HeadDict, build_head, get_submodule_by_name
 from ..losses.objective import head_losses, target_rules
 from ..losses.weighting import LossWeighting, build_weighting
+from ..modules import device_of
 from .guards import NonFiniteGuard, ValueChecks
 from .head_inputs import (
     StateKey,
     head_inputs,
     head_masks,
-    layer_index,
     mask_of,
     resolve_config,
     state_key,
@@ -167,7 +167,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         self.allow_unused_labels = bool(allow_unused_labels)
         self.max_head_parameters = _check_budget(max_head_parameters)
         self.head_configs: dict[str, HeadConfig] = {}
-        self._layer_of_head: dict[str, StateKey] = {}  # head → the state it reads (reading.py)
+        self._state_keys: dict[str, StateKey] = {}  # head → the state it reads
         if isinstance(head_configs, (HeadConfig, Mapping)):  # one head: a list of one
             head_configs = [head_configs]
         for cfg in head_configs:
@@ -176,11 +176,11 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                 raise ConfigError(f"head_configs must hold HeadConfig objects, got {cfg!r}")
             cfg = self._resolve(cfg)
             self.head_configs[cfg.name] = cfg
-            self._layer_of_head[cfg.name] = state_key(self.info, cfg)
+            self._state_keys[cfg.name] = state_key(self.info, cfg)
         self._check_targets()
         # each head on the device of the block producing its layer (placement.py)
         devices = head_devices(
-            model, self.backbone, self.info, self._layer_of_head, _device_of(self.backbone)
+            model, self.backbone, self.info, self._state_keys, device_of(self.backbone)
         )
         pooler, pooler_size = self.info.pooler, self.info.pooler_size
         budget = self.max_head_parameters
@@ -204,7 +204,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
             freeze_unreached(self)
         hide_head_dicts_from_trainer(self.backbone.config)
         name_classes(self.backbone.config, self.head_configs)  # pipelines' labels
-        layers = set(self._layer_of_head.values())
+        layers = set(self._state_keys.values())
         prepare_tracing(self.backbone, self.info, layers)  # capture hooks for torch.compile
         self.set_loss_weighting(loss_weighting)
         self._said_no_targets = False  # labels.say_no_targets: once per model
@@ -254,7 +254,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
                 kwargs = {**{k: v for k, v in scheme.items() if k != "name"}, **kwargs}
                 scheme = scheme.get("name", "fixed")
             self.loss_weighting = build_weighting(scheme, weights, **kwargs)
-        self.loss_weighting.to(loss_device(self.heads, _device_of(self.backbone)))
+        self.loss_weighting.to(loss_device(self.heads, device_of(self.backbone)))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -264,7 +264,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return _device_of(self.backbone)
+        return device_of(self.backbone)
 
     @property
     def peft_config(self) -> dict:
@@ -294,16 +294,17 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         """Each head's resolved index into its stack's hidden_states (0..num_layers; an
         encoder–decoder model's decoder heads index the decoder's; ``num_layers + 1``: the
         ``last_hidden_state`` where it is not ``hidden_states[-1]``)."""
-        return {n: layer_index(k) for n, k in self._layer_of_head.items()}
+        return {n: k.index for n, k in self._state_keys.items()}
 
     def state_keys(self) -> dict[str, StateKey]:
-        """Each head's captured state: its index, or ``("decoder", index)`` for heads on an
-        encoder–decoder model's decoder (``model/head_inputs.py``)."""
-        return dict(self._layer_of_head)
+        """Each head's captured state: ``StateKey(stack, index)``, its block stack ("encoder",
+        also a model's only stack, or "decoder") and the index into that stack's hidden states
+        (``model/head_inputs.py``)."""
+        return dict(self._state_keys)
 
     def head_masks(self, inputs: Any) -> dict[str, torch.Tensor | None]:
         """Each head's mask over the positions it reads, from prepared inputs."""
-        return head_masks(self.head_configs, self._layer_of_head, inputs, self.backbone)
+        return head_masks(self.head_configs, self._state_keys, inputs, self.backbone)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -362,7 +363,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         }
         inputs = prepare_inputs(self.backbone, self.info, batch, check)
         full = bool(use_cache or output_attentions or output_hidden_states) or not self.early_exit
-        wanted = set(self._layer_of_head.values())
+        wanted = set(self._state_keys.values())
         captured, out = run_stage(self.backbone, self.info, inputs, wanted, not full)
         masks = self.head_masks(inputs)
         features = self.head_inputs(captured, masks)
@@ -414,7 +415,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         elsewhere, ``placement.py``); a parameter-free pooling is computed once per (layer,
         positions, device, pooling) and shared by the heads that ask for it. ``mask``: one
         for all heads, or each head's (``head_masks``)."""
-        return head_inputs(self.heads, self._layer_of_head, captured, mask)
+        return head_inputs(self.heads, self._state_keys, captured, mask)
 
     def head_losses(
         self,
@@ -435,7 +436,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Apply the loss weighting and non-finite guard; return (total, adapted by head).
         The losses are gathered on the first head's device first (``placement.py``)."""
-        device = loss_device(self.heads, _device_of(self.backbone))
+        device = loss_device(self.heads, device_of(self.backbone))
         losses = {k: v.to(device) for k, v in losses.items()}
         return self._guard.combine(losses, self.loss_weighting, self.nonfinite_loss)
 
@@ -511,9 +512,3 @@ def _check_budget(value: Any) -> int | None:
             f"max_head_parameters={value!r} is invalid; a positive integer, or None for no limit"
         )
     return int(value)
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")

@@ -16,7 +16,7 @@ from ..data.encoding import as_class, encode_texts, encode_words, split_words
 from ..errors import ConfigError
 from ..heads.pooling import ALIASES, POOLINGS
 
-TASKS = ("classification", "regression", "token")
+TASKS = ("classification", "regression", "token", "pairwise")
 
 
 def parse_layers(spec: str | int | Sequence[int], num_layers: int) -> list[int]:

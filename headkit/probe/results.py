@@ -97,6 +97,15 @@ class ProbeRow:
         if c == 2:
             self.metrics.update(ranking_report(labels.numpy(), probs[:, 1].numpy()))
 
+    def set_pair_outputs(self, margins: torch.Tensor, weight: torch.Tensor) -> None:
+        """Record a pairwise probe's held-out ``margins`` (n,), ``r(chosen) - r(rejected)``
+        per pair, and its reward weight (1, d) (bias 0: a reward's offset cancels in pairs)."""
+        import torch
+
+        self.weight, self.bias = weight, torch.zeros(1, dtype=weight.dtype)
+        self.predictions = margins.tolist()
+        self.metrics = {"pairwise_accuracy": self.score, "mean_margin": float(margins.mean())}
+
     def to_dict(self, metric: str) -> dict[str, Any]:
         """JSON keys: ``accuracy``/``r2``, ``train_<metric>``, ``val_<metric>``, ``std``,
         ``ci95``, ``baseline``, ``l2`` and, with a control task, ``control_<metric>``,
@@ -114,6 +123,8 @@ class ProbeRow:
             "refit_l2": self.refit_l2,
             "metrics": self.metrics,
         }
+        if "mean_margin" in self.metrics:  # pairwise: the reward's mean held-out margin
+            out["mean_margin"] = self.metrics["mean_margin"]
         if self.control is not None:
             out[f"control_{metric}"] = self.control
             out[f"control_train_{metric}"] = self.control_train
@@ -126,8 +137,11 @@ class ProbeRow:
 class ProbeResults:
     """Results of ``probe_layers``: rows by pooling then layer, and how they were obtained.
 
-    ``metric`` is "accuracy" (classification, token) or "r2" (regression); ``baseline`` the
-    held-out score of the majority class (or of the training mean for r2); ``test_index``
+    ``metric`` is "accuracy" (classification, token), "r2" (regression) or
+    "pairwise_accuracy" (preference pairs: the share of held-out pairs whose chosen side the
+    reward scores higher; each row's ``metrics`` also hold ``mean_margin`` and its
+    ``predictions`` are the margins ``r(chosen) - r(rejected)``); ``baseline`` the held-out
+    score of the majority class (the training mean for r2, chance 0.5 for pairs); ``test_index``
     the positions (in the input order) of the held-out examples (in ``test_inputs`` when a
     test split was given); ``test_labels`` the held-out rows' labels (class indices into
     ``classes``, or values), in the order of every row's ``predictions``. ``val_splits`` is
@@ -256,7 +270,7 @@ class ProbeResults:
         text.append(
             f"best on validation ({how}): layer {best.layer} ({best.pooling}), held-out {m} "
             f"{best.score:.3f}; baseline {self.baseline:.3f} "
-            f"({'majority class' if m == 'accuracy' else 'training mean'}); each probe refitted "
+            f"({_baseline_name(m)}); each probe refitted "
             "on every training example"
         )
         if self.classes is not None:
@@ -266,6 +280,8 @@ class ProbeResults:
 
     def _extra_columns(self) -> dict[str, str]:
         """{column: metrics key} shown beside the score: macro-F1, and AUROC for 2 classes."""
+        if self.task == "pairwise":
+            return {"mean margin": "mean_margin"}
         if self.classes is None:
             return {}
         columns = {"macro F1": "macro_f1"}
@@ -303,7 +319,9 @@ class ProbeResults:
         head: one Linear layer whose weights are the refitted probe's (standardisation folded
         in), reading the same layer and pooling, so its predictions on the held-out inputs
         are the probe's. ``model``: the backbone to attach it to (default: the sweep's own,
-        loaded again from its path). Save it with ``save_pretrained``, export or serve it."""
+        loaded again from its path). Save it with ``save_pretrained``, export or serve it. A
+        pairwise probe becomes a reward head (``loss_fct="bradley_terry"``, one output, bias 0)
+        whose ``r(chosen) - r(rejected)`` is the probe's held-out margin."""
         import torch
 
         from ..config import HeadConfig
@@ -322,7 +340,9 @@ class ProbeResults:
         fields_["output_bias"] = True
         if self.task != "token":
             fields_.update(pred_for_sequence=True, pooling=row.pooling)
-        if self.classes is None:
+        if self.task == "pairwise":  # a reward head: r(chosen) - r(rejected) is the probe's
+            fields_.update(loss_fct="bradley_terry")
+        elif self.classes is None:
             fields_.update(is_regression=True, loss_fct="mse")
         else:
             fields_["extra"] = {"classes": _json_classes(self.classes)}
@@ -389,6 +409,10 @@ class ProbeResults:
         fig.savefig(out, dpi=110)
         plt.close(fig)
         return out
+
+
+def _baseline_name(metric: str) -> str:
+    return {"accuracy": "majority class", "r2": "training mean"}.get(metric, "chance")
 
 
 def _cell(value: Any) -> str:

@@ -61,6 +61,7 @@ from .fit import (
     score_items,
     standardisation,
 )
+from .pairs import check_pairs, is_pair_rows, mirrored, pair_margins, pair_rows, reward_weight
 from .results import ProbeResults, ProbeRow
 
 #: Bytes of features and probe activations handled at once (problems are chunked to fit).
@@ -103,8 +104,12 @@ def probe_layers(
     ``inputs`` (``texts=``, its older name): texts, images (PIL images, arrays, paths,
     ``datasets`` Image cells) or audio (1-D arrays at the processor's rate, WAV paths,
     ``datasets`` Audio cells); ``tokenizer`` / ``processor`` default to the model's own.
-    ``task``: "classification", "regression" or "token" (``inputs`` lists of words, ``labels``
-    one class per word, on its first sub-token). ``test_inputs``/``test_labels``: score on this
+    ``task``: "classification", "regression", "token" (``inputs`` lists of words, ``labels``
+    one class per word, on its first sub-token) or "pairwise": ``inputs`` preference rows as
+    TRL writes them (``{"chosen", "rejected"}``, optional ``"prompt"``; chosen by default
+    when the rows are such mappings and no labels are given), each probe a linear reward
+    fitted with the Bradley–Terry loss and scored by held-out ``pairwise_accuracy`` (module
+    docstring of ``headkit.probe.pairs``). ``test_inputs``/``test_labels``: score on this
     given split instead of holding out ``test_fraction`` (validation still comes from
     ``inputs``; ``n_test`` counts the given rows). ``layers`` index ``hidden_states`` as HF
     does (``parse_layers``); ``pooling`` may name several (``parse_poolings``). The L2 penalty
@@ -118,6 +123,50 @@ def probe_layers(
     one row per input, in the input order), so that a head trained next on one of these
     layers needs no second backbone pass (``headkit demo`` does this).
     """
+    if task == "pairwise" or (
+        texts is None and labels is None and inputs is not None and is_pair_rows(list(inputs))
+    ):
+        refused = {
+            "labels": (
+                labels,
+                "each pair is its own label (chosen over rejected); give the rows alone",
+            ),
+            "control": (
+                control,
+                "a pair has no class to draw a control label from; leave it False",
+            ),
+            "test_inputs": (
+                test_inputs if test_inputs is not None else test_labels,
+                "the probe holds out test_fraction of the pairs",
+            ),
+        }
+        for name, (value, why) in refused.items():
+            if value is not None and value is not False:
+                raise ConfigError(
+                    f"{name} does not apply to preference pairs (task='pairwise'): {why}",
+                    field=name,
+                    value=value if isinstance(value, bool) else type(value).__name__,
+                )
+        return _probe_pairs(
+            model,
+            list(inputs if inputs is not None else texts or []),
+            layers=layers,
+            pooling=pooling,
+            tokenizer=tokenizer,
+            val_splits=val_splits,
+            folds=folds,
+            seed=seed,
+            test_fraction=test_fraction,
+            val_fraction=val_fraction,
+            l2=l2,
+            max_length=max_length,
+            batch_size=batch_size,
+            max_iter=max_iter,
+            tol=tol,
+            bootstrap=bootstrap,
+            model_kwargs=model_kwargs,
+            progress=progress,
+        )
     inputs, labels, given = _inputs_and_test_split(inputs, texts, labels, test_inputs, test_labels)
     val_splits, folds = _validation(val_splits, folds)
     _check_args(
@@ -185,6 +234,81 @@ def probe_layers(
         source=(model, dict(model_kwargs or {})),
         test_labels=_held_labels(rows, split["test"]),
         features=features if keep_features else None,
+    )
+
+
+def _probe_pairs(model: Any, inputs: list, **o: Any) -> ProbeResults:
+    """``probe_layers`` on preference pairs: one linear reward per (layer, pooling), fitted as
+    logistic regression on mirrored feature differences (``headkit.probe.pairs``), the L2 and
+    the layer chosen on validation pairs, scored by held-out pairwise accuracy."""
+    check_pairs(inputs)
+    val_splits, folds = _validation(o["val_splits"], o["folds"])
+    tf, vf, l2, boot = o["test_fraction"], o["val_fraction"], o["l2"], o["bootstrap"]
+    _check_args("pairwise", o["pooling"], val_splits, tf, vf, l2, boot, inputs, inputs)
+    poolings = parse_poolings(o["pooling"] or "mean")
+    rank, world = ranks.current()
+    progress = o["progress"] and rank == 0
+    lap = _Laps()
+    backbone, tokenizer = _backbone_and_tokenizer(model, o["tokenizer"], o["model_kwargs"])
+    num_layers = _num_layers(backbone)
+    chosen = parse_layers(o["layers"], num_layers)
+    lap("load")
+    sides, kept, dropped = pair_rows(tokenizer, inputs, o["max_length"])
+    lap("tokenize")
+    features = _features(backbone, sides, chosen, poolings, o["batch_size"], progress, world)
+    lap("features")
+    n = len(kept)
+    diffs, rows = mirrored(features, n)  # (2P, d) per key: f(c) - f(r), then its negation
+    del features
+    split = split_rows(rows, tf, vf, val_splits, o["seed"], None, folds)
+    with fit_threads():
+        _, penalties, scores = _score(
+            diffs, rows, split, False, o["seed"], l2, o["max_iter"], o["tol"], boot, progress
+        )
+    lap("probes")
+    held = split["test"][:n]  # (P,): the held-out pairs (their mirrors are held out too)
+    out = []
+    for p in poolings:
+        for k in chosen:
+            s = scores[(p, k)]
+            weight = reward_weight(s["weight"])  # (1, d) on the raw pooled features
+            margins = pair_margins(diffs[(p, k)][:n][held], weight)  # (n_test,)
+            items = (margins > 0).float()[None, None, None]  # (1, 1, 1, n_test)
+            ci = bootstrap_interval(items, items[0, 0], False, boot, o["seed"])[0, 0]
+            row = ProbeRow(
+                layer=k,
+                pooling=p,
+                score=float(items.mean()),
+                train_score=float(s["refit_train"][0]),
+                val_score=float(s["val"][:, 0].mean()),
+                std=float(s["test"][:, 0].std()) if val_splits > 1 else None,
+                ci95=(float(ci[0]), float(ci[1])),
+                baseline=0.5,
+                l2=[float(v) for v in s["l2"][:, 0]],
+                refit_l2=float(s["refit_l2"][0]),
+            )
+            row.set_pair_outputs(margins, weight)
+            out.append(row)
+    settings = _settings(o["seed"], vf, o["max_length"], boot, len(inputs), None, tf)
+    settings.update(folds=folds, pairs_dropped=dropped)
+    n_test = int(held.sum())
+    return ProbeResults(
+        task="pairwise",
+        metric="pairwise_accuracy",
+        model=describe(model),
+        num_layers=num_layers,
+        rows=out,
+        baseline=0.5,
+        n_train=n - n_test,
+        n_test=n_test,
+        val_splits=val_splits,
+        control=False,
+        l2_grid=penalties.tolist(),
+        test_index=[kept[i] for i in torch.nonzero(held)[:, 0].tolist()],
+        settings=settings,
+        timings=lap.times,
+        source=(model, dict(o["model_kwargs"] or {})),
+        test_labels=[1] * n_test,  # the chosen side is preferred
     )
 
 

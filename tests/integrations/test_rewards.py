@@ -469,3 +469,50 @@ def test_pretokenised_pairs_train_without_a_tokenizer_and_per_head_legacy_names(
     batch = trainer.data_collator([trainer.train_dataset[0]])
     assert batch["input_ids"].tolist() == [[2, 5, 6, 3], [2, 7, 3, 0]]
     trainer.train()
+
+
+def test_streamed_preference_and_stepwise_data_train_as_the_same_rows_do(tmp_path):
+    from datasets import IterableDataset
+
+    from headkit.data.stepwise import tokenize_stepwise
+
+    tok = tokenizer()
+    train, test = pairs(32, 0), pairs(24, 1)
+    rows = list(train)
+    # features unknown until read (load_dataset(..., streaming=True) from JSON lines)
+    streamed = IterableDataset.from_generator(lambda: iter(rows))
+    assert streamed.column_names is None
+    _, ours = twin_reward_models()
+    args = TrainingArguments(**dict(ARGS, output_dir=str(tmp_path), max_steps=3))
+    trainer = HeadedTrainer(
+        ours,
+        args,
+        train_dataset=streamed,
+        eval_dataset=test.to_iterable_dataset(),
+        processing_class=tok,
+        compute_metrics=HeadwiseMetrics(ours),
+    )
+    # a streamed dataset is not shuffled: the first batch is the first 8 pairs, tokenised lazily
+    first = next(iter(trainer.get_train_dataloader()))
+    expected = PreferenceCollator(ours)(tokenize_preferences(rows[:8], tok, ours.head_configs))
+    assert torch.equal(first["input_ids"], expected["input_ids"])
+    assert torch.equal(first["labels"], expected["labels"])  # one head: its label tensor
+    trainer.train()
+    streamed_eval = trainer.evaluate()
+    whole = evaluate_head_wise(
+        ours,
+        tokenize_preferences(test, tok, ours.head_configs),
+        PreferenceCollator(ours),
+        batch_size=24,
+        progress=False,
+    )
+    accuracy = streamed_eval["eval_reward_pairwise_accuracy"]
+    assert accuracy == pytest.approx(whole["reward"]["pairwise_accuracy"], abs=1e-12)
+    # stepwise supervision streams the same way
+    chains = list(steps(4, 0))
+    lazily = tokenize_stepwise(IterableDataset.from_generator(lambda: iter(chains)), tok, "prm")
+    assert list(lazily) == tokenize_stepwise(chains, tok, "prm")
+    with pytest.raises(BatchError, match="the dataset is empty"):
+        tokenize_preferences(
+            IterableDataset.from_generator(lambda: iter([])), tok, ours.head_configs
+        )

@@ -13,6 +13,7 @@ from tiny_media import assert_compiles_like_eager, assert_heads_match_hf, heads_
 from transformers import GenerationMixin
 
 from headkit import BatchError, ConfigError, HeadConfig, HeadedModel, cache_features, load_headed
+from headkit.backbone.inspection import StateKey
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -80,7 +81,10 @@ def test_heads_on_each_stack_equal_hf_hidden_states(arch: str) -> None:
             masks[name] = batch["decoder_attention_mask"]
     assert_heads_match_hf(model, out, states, masks)
     assert model.state_keys()["decoder_mean1"] == ("decoder", 1)
-    assert model.state_keys()["encoder_mean1"] == 1
+    # a named StateKey replaced the int | tuple union (issue 29 item 6): the encoder's state is
+    # no longer a bare int
+    assert model.state_keys()["encoder_mean1"] == StateKey("encoder", 1)
+    assert model.state_keys()["decoder_mean1"].on_decoder
 
 
 @pytest.mark.parametrize("arch", ["t5", "bart", "whisper"])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import HIDDEN, PAD, blocks_of, build_tiny
 
 from headkit import BatchError, ConfigError, HeadConfig, HeadedModel
-from headkit.backbone.inspection import run_backbone
+from headkit.backbone.inspection import StateKey, run_backbone
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -88,8 +88,9 @@ def test_run_backbone_captures_each_index_with_early_exit(arch, token_batch):
     reference = model.backbone(**token_batch, output_hidden_states=True).hidden_states
     L = model.info.num_layers
     for i in range(L + 1):
-        captured, _ = run_backbone(model.backbone, model.info, {i}, True, dict(token_batch))
-        torch.testing.assert_close(captured[i], reference[i], atol=1e-5, rtol=0)
+        key = StateKey("encoder", i)
+        captured, _ = run_backbone(model.backbone, model.info, {key}, True, dict(token_batch))
+        torch.testing.assert_close(captured[key], reference[i], atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------- early exit
