@@ -10,7 +10,10 @@ id of a packaged model), ``pipeline_tag`` (the first head's that maps: sequence 
 text-classification, token heads → token-classification, causal-LM heads → text-generation;
 every head's tag is in ``tags``), and ``datasets`` / ``metrics`` when the folder says (what
 ``headkit train`` records in ``headkit_cli.json``, what ``HeadedTrainer`` leaves in
-``trainer_state.json`` and ``training_args.json``, or what ``refresh_card`` is given).
+``trainer_state.json`` and ``training_args.json``, or what ``refresh_card`` is given); the
+metrics of further data sets that ``headkit eval --record`` adds (``evaluations`` in
+``headkit_cli.json``) follow the training run's, one ``model-index`` result per head and
+data set.
 ``refresh_card`` renders the card again later, when those files have been written.
 """
 
@@ -233,6 +236,7 @@ def render_card(
     facts = training_facts(root)
     datasets = list(dict.fromkeys([*(entry.get("datasets") or []), *facts["datasets"]]))
     metrics = {**facts["metrics"], **(entry.get("metrics") or {})}
+    others = facts["evaluations"]  # headkit eval --record: [(data, metrics)], after eval_data's
     tags = [t for t in dict.fromkeys(pipeline_tag(h, modality) for h in heads) if t]
     title = title or root.resolve().name
     meta: dict[str, Any] = {"library_name": "headkit"}
@@ -243,12 +247,14 @@ def render_card(
     if tags:
         meta["pipeline_tag"] = tags[0]
     meta["tags"] = ["headkit", *tags]
-    if datasets:
-        meta["datasets"] = datasets
-    names = sorted({m for per_head in metrics.values() for m in per_head})
+    recorded = [PACKAGED_DATASETS[d] for d, _ in others if d in PACKAGED_DATASETS]
+    if datasets or recorded:
+        meta["datasets"] = list(dict.fromkeys([*datasets, *recorded]))
+    every = [metrics, *(m for _, m in others)]
+    names = sorted({m for ms in every for per_head in ms.values() for m in per_head})
     if names:
         meta["metrics"] = names
-    index = model_index(title, heads, modality, metrics, datasets, facts["eval_data"])
+    index = model_index(title, heads, modality, metrics, datasets, facts["eval_data"], others)
     if index:
         meta["model-index"] = index
     lines = ["---", front_matter(meta), "---", "", _MARK, ""]
@@ -258,7 +264,7 @@ def render_card(
     lines += _use_section(where, tags, modality, heads)
     lines += _backbone_section(manifest, entry)
     lines += _training_section(facts)
-    lines += _evaluation_section(metrics, facts["eval_data"])
+    lines += _evaluation_section(metrics, facts["eval_data"], others)
     lines += _to_fill_in(facts)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -308,29 +314,34 @@ def model_index(
     metrics: dict[str, dict[str, float]],
     datasets: list[str],
     eval_data: str | None,
+    others: list[tuple[str, dict[str, dict[str, float]]]] = (),  # type: ignore[assignment]
 ) -> list[dict[str, Any]]:
     """The hub's ``model-index``: one result per head with metrics (task = the head's
-    pipeline tag), on the evaluation data (a hub id when known)."""
+    pipeline tag), on the evaluation data (a hub id when known), then one per head and data
+    set of ``others`` ([(data, metrics)]: ``headkit eval --record``)."""
     by_name = {h.name: h for h in heads}
     dataset = datasets[-1] if datasets else None
     name = eval_data or dataset or "held-out data"
+    sets = [(name, dataset or name, metrics)]
+    sets += [(data, PACKAGED_DATASETS.get(data, data), m) for data, m in others]
     results = []
-    for head, values in metrics.items():
-        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}
-        cfg = by_name.get(head)
-        if not numbers or cfg is None:
-            continue
-        task = pipeline_tag(cfg, modality) or "other"
-        results.append(
-            {
-                "task": {"type": task, "name": head},
-                "dataset": {"name": name, "type": dataset or name},
-                "metrics": [
-                    {"type": k, "value": float(v), "name": f"{head} {k}"}
-                    for k, v in numbers.items()
-                ],
-            }
-        )
+    for data_name, data_type, per_head in sets:
+        for head, values in per_head.items():
+            numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}
+            cfg = by_name.get(head)
+            if not numbers or cfg is None:
+                continue
+            task = pipeline_tag(cfg, modality) or "other"
+            results.append(
+                {
+                    "task": {"type": task, "name": head},
+                    "dataset": {"name": data_name, "type": data_type},
+                    "metrics": [
+                        {"type": k, "value": float(v), "name": f"{head} {k}"}
+                        for k, v in numbers.items()
+                    ],
+                }
+            )
     return [{"name": title, "results": results}] if results else []
 
 
@@ -444,18 +455,27 @@ def _training_section(facts: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def _evaluation_section(metrics: dict[str, dict[str, float]], eval_data: str | None) -> list[str]:
-    if not metrics:
+def _evaluation_section(
+    metrics: dict[str, dict[str, float]],
+    eval_data: str | None,
+    others: list[tuple[str, dict[str, dict[str, float]]]] = (),  # type: ignore[assignment]
+) -> list[str]:
+    """A table of each head's metrics per data set: the training run's held-out data, then
+    those ``headkit eval --record`` added."""
+    sets = ([(eval_data, metrics)] if metrics else []) + [(d, m) for d, m in others if m]
+    if not sets:
         return []
     lines = ["## Evaluation", ""]
-    if eval_data:
-        lines += [f"On `{md(eval_data)}`:", ""]
-    lines += ["| head | metric | value |", "|---|---|---:|"]
-    for head, values in metrics.items():
-        for name, value in values.items():
-            shown = f"{value:.4f}" if isinstance(value, float) else str(value)
-            lines.append(f"| {md(head)} | {md(name)} | {md(shown)} |")
-    return [*lines, ""]
+    for data, per_head in sets:
+        if data:
+            lines += [f"On `{md(data)}`:", ""]
+        lines += ["| head | metric | value |", "|---|---|---:|"]
+        for head, values in per_head.items():
+            for name, value in values.items():
+                shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+                lines.append(f"| {md(head)} | {md(name)} | {md(shown)} |")
+        lines.append("")
+    return lines
 
 
 def _to_fill_in(facts: dict[str, Any]) -> list[str]:
@@ -578,6 +598,7 @@ def training_facts(root: Path) -> dict[str, Any]:
         "training": {},
         "train_data": None,
         "eval_data": None,
+        "evaluations": [],
     }
     cli = _json(root / "headkit_cli.json")
     if cli:
@@ -593,6 +614,10 @@ def training_facts(root: Path) -> dict[str, Any]:
             facts["training"][key] = cli.get(key)
         if isinstance(cli.get("metrics"), dict):
             facts["metrics"].update(_numbers(cli["metrics"]))
+        for e in cli.get("evaluations") if isinstance(cli.get("evaluations"), list) else []:
+            name = e.get("data") if isinstance(e, dict) else None
+            if isinstance(name, str) and name and isinstance(e.get("metrics"), dict):
+                facts["evaluations"].append((name, _numbers(e["metrics"])))
     args = _json(root / "training_args.json")
     if args:
         for key in ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "seed"):

@@ -2,7 +2,8 @@
 
 1. ``probe_layers`` over every layer (mean pooling, control task, a few validation splits);
 2. a sentiment head on the layer picked on validation, trained through the same code as
-   ``headkit train`` from a config and CSV files it writes (so they can be rerun by hand);
+   ``headkit train`` from a config and CSV files it writes (so they can be rerun by hand),
+   on the probe's pooled features of that layer: the backbone runs over the texts once;
 3. ``headkit predict`` on the held-out reviews.
 
 Importing this module imports argparse only; ``run`` imports the rest.
@@ -88,6 +89,7 @@ def run_demo(
         progress=progress,
         val_splits=val_splits,
         model_kwargs={"device_map": str(where)} if where.type != "cpu" else None,
+        keep_features=True,  # the head trains on them: the backbone runs over the texts once
     )
     print(results.table())
     out.mkdir(parents=True, exist_ok=True)
@@ -97,13 +99,22 @@ def run_demo(
 
     print(f"\n[2/3] a sentiment head on layer {best.layer} (headkit train {out / 'train.yaml'})")
     held_out = set(results.test_index)
+    training_rows = [i for i in range(len(texts)) if i not in held_out]
     table = [{"text": t, "label": y} for t, y in zip(texts, labels)]
-    write_rows(out / "train.csv", [r for i, r in enumerate(table) if i not in held_out])
+    write_rows(out / "train.csv", [table[i] for i in training_rows])
     write_rows(out / "test.csv", [r for i, r in enumerate(table) if i in held_out])
     config = _train_config(best.layer)
     (out / "train.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    # the probe's mean-pooled features of that layer, one row per line of train.csv: the
+    # same backbone, tokenization (max_length 128) and pooling as the head's, so training
+    # needs no second backbone pass (headkit train train.yaml by hand runs one)
+    pooled = results.features[(best.pooling, best.layer)][training_rows]
     trained = run_train(
-        load_train_config(out / "train.yaml"), progress=progress, overwrite=True, device=device
+        load_train_config(out / "train.yaml"),
+        progress=progress,
+        overwrite=True,
+        device=device,
+        features={"sentiment": pooled},
     )
     accuracy = trained["metrics"]["sentiment"]["accuracy"]
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 HELP = "per-head metrics of a checkpoint on a data file"
 EXAMPLE = """example:
   headkit eval runs/sentiment --data test.csv
+  headkit eval runs/sentiment --data other.csv --record   # into its model card too
   headkit eval runs/sentiment --data test.parquet --text-column review \\
       --label-column sentiment=stars"""
 
@@ -38,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="default: the ones used in training (repeatable)",
     )
     p.add_argument("--output", help="also write the metrics to this JSON file")
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="also record the metrics and the data's name in the checkpoint's headkit_cli.json "
+        "and its model card (README.md: evaluation section, model-index); another data set "
+        "adds a result, the same data replaces its earlier one; the weights are not touched",
+    )
     add_overwrite(p)
     add_encoding(p)
     add_batching(p)
@@ -48,6 +56,10 @@ def run(args: argparse.Namespace) -> None:
 
     if args.output:
         check_output_file(args.output, local_inputs(args.data, args.checkpoint), args.overwrite)
+    if args.record:
+        from .checkpoints import check_recordable
+
+        check_recordable(args.checkpoint)  # before the model is loaded
     labels = dict(args.label_column) if args.label_column else None
     metrics = run_eval(
         args.checkpoint,
@@ -64,6 +76,18 @@ def run(args: argparse.Namespace) -> None:
     if args.output:
         write_text(args.output, json.dumps(metrics, indent=2) + "\n")
         print(f"wrote {args.output}")
+    if args.record:
+        from .checkpoints import record_metrics
+
+        if not any(metrics.values()):
+            raise ConfigError(
+                f"--record: no head had labels in {args.data!r}; nothing to record in "
+                f"CHECKPOINT={str(args.checkpoint)!r}",
+                field="--record",
+                value=str(args.checkpoint),
+            )
+        record_metrics(args.checkpoint, metrics, data=args.data)
+        print(f"recorded in {args.checkpoint} (headkit_cli.json, README.md)")
 
 
 def run_eval(

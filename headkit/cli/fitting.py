@@ -39,6 +39,7 @@ from ..errors import ConfigError
 from ..features import (
     CachedFeatures,
     cache_features,
+    features_given,
     predict_on_features,
     train_heads_on_features,
 )
@@ -80,12 +81,15 @@ def fit_heads(
     collator: Any = None,
     output: str | Path | None = None,
     resume: bool = False,
+    features: dict[str, torch.Tensor] | None = None,
 ) -> Fit:
     """Train ``model`` on ``examples`` with the settings of a train config's ``training``
     section. ``collator`` (default ``HeadedCollator``) batches the examples; with one, they
     train through the model (a ``PreferenceCollator``'s pairs cannot be cached: rows would be
     shuffled apart). ``output``: the checkpoint folder, where the training state and logs go
-    (None: neither); ``resume``: continue from the state there."""
+    (None: neither); ``resume``: continue from the state there. ``features``: {head:
+    (len(examples), width)} pooled features already computed for every example (a probe
+    sweep's): the heads train on them and the backbone does not run (``features_given``)."""
     train_rows, val_rows = validation_split(
         len(examples), training["validation_fraction"], training["seed"]
     )
@@ -109,12 +113,35 @@ def fit_heads(
     steps = OptimizerSteps(opt, scheduler, training.get("max_grad_norm"), accumulation, scaler)
     cached = training["use_cached_features"] in (True, "auto") and training["freeze_backbone"]
     cached = cached and collator is None
-    if cached:
+    if features is not None and not cached:
+        raise ConfigError(
+            "features (pooled features computed earlier) need cached training: "
+            "training.freeze_backbone=true, use_cached_features true or auto, and "
+            "classification or regression data"
+        )
+    wrong = {h: tuple(x.shape) for h, x in (features or {}).items() if x.shape[0] != len(examples)}
+    if wrong:
+        raise ConfigError(
+            f"features of shape {wrong} do not match the {len(examples)} training examples; "
+            "one row per example, in order",
+            field="features",
+            value=sorted(wrong),
+        )
+    if features is not None:
+        train_index, val_index = torch.tensor(train_rows), torch.tensor(val_rows)
+        feats = features_given(model, train_set, {h: x[train_index] for h, x in features.items()})
+        val_feats = (
+            features_given(model, val_set, {h: x[val_index] for h, x in features.items()})
+            if val_set
+            else None
+        )
+    elif cached:
         with _autocast(model, precision):
             feats = cache_features(model, train_set, batch_size=size, progress=progress)
             val_feats = (
                 cache_features(model, val_set, batch_size=size, progress=False) if val_set else None
             )
+    if cached:
 
         def epoch(e: int) -> float:
             (loss,) = train_heads_on_features(

@@ -235,10 +235,14 @@ def run_train(
     overwrite: bool = False,
     device: str | None = None,
     resume: bool = False,
+    features: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train the heads of a loaded config, save the checkpoint; return the per-epoch training
     and validation losses, the epoch kept, the checkpoint and held-out metrics. ``resume``:
-    continue from the training state an interrupted run left in the output folder."""
+    continue from the training state an interrupted run left in the output folder.
+    ``features``: {head: (rows, width)} pooled features of every row of ``data.train``
+    already computed by the same backbone (a probe sweep's, as ``headkit demo`` passes):
+    the heads train on them without a backbone pass (``fitting.fit_heads``)."""
     from .datafiles import read_rows, require_columns, require_labels
     from .train_config import STATE_FOLDER
 
@@ -315,6 +319,7 @@ def run_train(
         collator,
         output=config["output"],
         resume=resume,
+        features=features,
     )
     calibration = _calibrate(model, tokenizer, examples, training) if kind is None else {}
     settings = {k: data[k] for k in ("text_column", "label_columns") if data[k] is not None}

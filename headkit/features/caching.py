@@ -100,15 +100,7 @@ def cache_features(
     backbone = _backbone_meta(model)
 
     def meta_of(present: set[str], num_sequences: int, num_tokens: int) -> dict[str, Any]:
-        return {
-            "num_sequences": num_sequences,
-            "num_tokens": num_tokens,
-            "dtype": str(dtype).removeprefix("torch."),
-            "heads": heads,
-            "feature_keys": {info["features"]: info["layout"] for info in heads.values()},
-            "labels": {t: {"layout": targets[t]} for t in sorted(present)},
-            "backbone": backbone,
-        }
+        return _meta(heads, targets, backbone, dtype, present, num_sequences, num_tokens)
 
     writer = _writer(storage, overwrite, rank, world)
     was_training = model.backbone.training
@@ -133,6 +125,80 @@ def cache_features(
         raise
     finally:
         model.backbone.train(was_training)
+
+
+def features_given(
+    model: HeadedModel,
+    dataset: Any,
+    pooled: dict[str, torch.Tensor],
+    batch_size: int = 32,
+    collate_fn: Any = None,
+) -> CachedFeatures:
+    """The in-memory cache ``cache_features`` would build, from pooled features a caller
+    already has, without running the backbone: ``pooled`` {head: (len(dataset), width)}, one
+    row per example of ``dataset`` in order (e.g. a probe sweep's ``results.features``, which
+    come from the same backbone and pooling); the labels are read from ``dataset`` as
+    ``cache_features`` reads them. Every head must be a sequence head whose pooling has no
+    trainable parameters (ConfigError otherwise, and for a missing head or a wrong shape)."""
+    check_frozen(model)
+    heads = _plan_heads(model)
+    targets = _label_layouts(model)
+    for name, info in heads.items():
+        x = pooled.get(name)
+        width = model.heads[name].in_features
+        if info["layout"] != "pooled" or any(t == "token" for t in targets.values()):
+            raise ConfigError(
+                f"head {name!r} reads token states; features_given takes pooled features of "
+                "sequence heads only (use cache_features)"
+            )
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != len(dataset):
+            got = "missing" if not isinstance(x, torch.Tensor) else f"shape {tuple(x.shape)}"
+            raise ConfigError(
+                f"pooled[{name!r}] is {got}; expected ({len(dataset)}, width): one row per "
+                f"example (heads: {sorted(heads)})",
+                field="pooled",
+                value=name,
+            )
+        if x.shape[1] != width:
+            raise ConfigError(
+                f"pooled[{name!r}] has width {x.shape[1]}; head {name!r} reads {width}",
+                field="pooled",
+                value=name,
+            )
+    writer = _MemoryWriter()
+    present: set[str] | None = None
+    for batch in _loader(model, dataset, batch_size, collate_fn, 0, 1):
+        _, labels = _split_batch(model, batch)
+        for target, y in labels.items():
+            writer.append(f"labels/{target}", labels_as_tensor(y, "cpu", f"target {target!r}"))
+        present = set(labels) if present is None else present & set(labels)
+    for name, info in heads.items():
+        writer.append(f"features/{info['features']}", pooled[name].detach().float())
+    backbone = _backbone_meta(model)
+    return writer.finish(
+        _meta(heads, targets, backbone, torch.float32, present or set(), len(dataset), 0)
+    )
+
+
+def _meta(
+    heads: dict[str, dict[str, Any]],
+    targets: dict[str, str],
+    backbone: dict[str, Any],
+    dtype: torch.dtype,
+    present: set[str],
+    num_sequences: int,
+    num_tokens: int,
+) -> dict[str, Any]:
+    """A cache's ``meta``: what it holds for which heads, labels and backbone."""
+    return {
+        "num_sequences": num_sequences,
+        "num_tokens": num_tokens,
+        "dtype": str(dtype).removeprefix("torch."),
+        "heads": heads,
+        "feature_keys": {info["features"]: info["layout"] for info in heads.values()},
+        "labels": {t: {"layout": targets[t]} for t in sorted(present)},
+        "backbone": backbone,
+    }
 
 
 def _writer(storage: Any, overwrite: bool, rank: int, world: int) -> _Writer:

@@ -145,7 +145,8 @@ class ProbeResults:
     the positions (in the input order) of the held-out examples (in ``test_inputs`` when a
     test split was given); ``test_labels`` the held-out rows' labels (class indices into
     ``classes``, or values), in the order of every row's ``predictions``. ``val_splits`` is
-    the number of validation splits (the folds, with ``settings["folds"]``).
+    the number of validation splits (the folds, with ``settings["folds"]``); ``features``
+    the pooled features themselves with ``probe_layers(keep_features=True)``.
     """
 
     task: str
@@ -165,6 +166,10 @@ class ProbeResults:
     timings: dict[str, float] = field(default_factory=dict)
     test_labels: list[Any] = field(default_factory=list, repr=False)
     source: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    #: ``probe_layers(keep_features=True)``: {(pooling, layer): (examples, width) float32},
+    #: the pooled features the probes were fitted on, one row per input in the input order
+    #: (reuse them instead of a second backbone pass); None otherwise. Not saved by to_json.
+    features: dict[tuple[str, int], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def layers(self) -> list[int]:
@@ -203,7 +208,7 @@ class ProbeResults:
         """Everything but the weights: the settings, one dict per row (``ProbeRow.to_dict``)
         and ``test_predictions``, the best row's held-out outputs (``index``: positions in
         the inputs, ``labels``, ``predictions``, ``probabilities``)."""
-        skip = ("rows", "source", "test_labels")
+        skip = ("rows", "source", "test_labels", "features")
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         data["layers"] = self.layers
         data["poolings"] = self.poolings

@@ -95,6 +95,7 @@ def probe_layers(
     bootstrap: int = 1000,
     model_kwargs: dict[str, Any] | None = None,
     progress: bool = True,
+    keep_features: bool = False,
 ) -> ProbeResults:
     """Train a linear probe on every chosen layer (and pooling) and score it held out.
 
@@ -118,6 +119,9 @@ def probe_layers(
     out. ``seed`` draws every split; classification splits are stratified (module docstring).
     The backbone is left as it was. Under torchrun or ``accelerate launch`` the backbone passes
     are split over the ranks and every rank returns the results one process would.
+    ``keep_features=True`` keeps the pooled features in ``results.features`` (sequence tasks;
+    one row per input, in the input order), so that a head trained next on one of these
+    layers needs no second backbone pass (``headkit demo`` does this).
     """
     if task == "pairwise" or (
         texts is None and labels is None and inputs is not None and is_pair_rows(list(inputs))
@@ -174,6 +178,14 @@ def probe_layers(
         seed, val_fraction, max_length, bootstrap, n_examples, given, test_fraction
     )
     settings["folds"] = folds
+    if keep_features is not False and (keep_features is not True or task == "token"):
+        raise ConfigError(
+            f"keep_features={keep_features!r} is invalid for task={task!r}; allowed: True or "
+            "False for classification and regression (one pooled row per input), False for "
+            "'token'",
+            field="keep_features",
+            value=keep_features,
+        )
     rank, world = ranks.current()  # under torchrun: the backbone passes split over the ranks
     progress = progress and rank == 0
     lap = _Laps()
@@ -221,6 +233,7 @@ def probe_layers(
         timings=lap.times,
         source=(model, dict(model_kwargs or {})),
         test_labels=_held_labels(rows, split["test"]),
+        features=features if keep_features else None,
     )
 
 
