@@ -51,3 +51,32 @@ def test_record_refuses_a_read_only_checkpoint(tmp_path, capsys):
         ckpt.chmod(0o755)
     line = one_error_line(code, capsys.readouterr().err)
     assert "--record" in line and "read-only" in line
+
+
+def test_record_refuses_a_card_written_by_hand_and_leaves_it(tmp_path, capsys):
+    files = review_files(tmp_path)
+    ckpt = train_checkpoint(tmp_path, tiny_model(tmp_path), files["train"])
+    card = ckpt / "README.md"
+    card.write_text("# My model\n\nWritten by hand.\n")
+    settings = (ckpt / "headkit_cli.json").read_bytes()
+    code = main(["eval", str(ckpt), "--data", str(files["test"]), "--record"])
+    line = one_error_line(code, capsys.readouterr().err)
+    assert "--record" in line and "not the card headkit wrote" in line
+    assert card.read_text() == "# My model\n\nWritten by hand.\n"
+    assert (ckpt / "headkit_cli.json").read_bytes() == settings
+
+
+def test_record_on_the_training_eval_data_replaces_its_metrics(tmp_path, capsys):
+    files = review_files(tmp_path)
+    ckpt = train_checkpoint(tmp_path, tiny_model(tmp_path), files["train"])
+    settings = json.loads((ckpt / "headkit_cli.json").read_text())
+    eval_data = (settings.get("data") or {}).get("eval")
+    if eval_data is None:  # the helper trains without data.eval: record on the train file
+        eval_data = str(files["train"])
+    assert main(["eval", str(ckpt), "--data", eval_data, "--record", "--quiet"]) == 0
+    again = json.loads((ckpt / "headkit_cli.json").read_text())
+    recorded = [e["data"] for e in again.get("evaluations", [])]
+    assert recorded.count(eval_data) <= 1
+    assert main(["eval", str(ckpt), "--data", eval_data, "--record", "--quiet"]) == 0
+    twice = json.loads((ckpt / "headkit_cli.json").read_text())
+    assert twice.get("evaluations", []) == again.get("evaluations", [])
