@@ -172,8 +172,11 @@ def features_given(
         for target, y in labels.items():
             writer.append(f"labels/{target}", labels_as_tensor(y, "cpu", f"target {target!r}"))
         present = set(labels) if present is None else present & set(labels)
+    written: set[str] = set()
     for name, info in heads.items():
-        writer.append(f"features/{info['features']}", pooled[name].detach().float())
+        if info["features"] not in written:  # heads on one layer and pooling share an array
+            written.add(info["features"])
+            writer.append(f"features/{info['features']}", pooled[name].detach().float())
     backbone = _backbone_meta(model)
     return writer.finish(
         _meta(heads, targets, backbone, torch.float32, present or set(), len(dataset), 0)
