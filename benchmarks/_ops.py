@@ -44,6 +44,9 @@ DECODERS = ("gpt2", "llama")
 KINDS = ("sequence_ce", "token_ce", "regression_mse")
 #: Goals: each extra head at most this many operations (fwd + bwd of a frozen train step) ...
 MAX_OPS_PER_EXTRA_HEAD = 12
+#: ... and once heads share one loss call (``losses.shared``), each further head at most this
+#: many: its matmul, its weight gradient's, the sum of its losses' row and the total's add.
+MAX_OPS_PER_STACKED_HEAD = 4
 #: ... and a decode step with heads at most this factor of the backbone's own step, plus the
 #: heads' own matmuls.
 MAX_DECODE_STEP_FACTOR = 1.02
@@ -172,11 +175,14 @@ def train_step_ops(arch: str, kind: str, n_heads: int) -> collections.Counter[st
 
 def per_extra_head(arch: str, kind: str, n_heads: int = 5) -> dict[str, Any]:
     """Operations each head beyond the first adds to a frozen train step: (ops with
-    ``n_heads`` - ops with 1) / (``n_heads`` - 1), and which operations they are."""
+    ``n_heads`` - ops with 1) / (``n_heads`` - 1), and which operations they are; and each
+    head beyond ``n_heads`` (``per_stacked_head``: the heads' shared loss call is paid)."""
     one, many = train_step_ops(arch, kind, 1), train_step_ops(arch, kind, n_heads)
+    more = train_step_ops(arch, kind, 2 * n_heads)
     extra = {k: (many[k] - one[k]) / (n_heads - 1) for k in many | one if many[k] != one[k]}
     return {
         "per_extra_head": (sum(many.values()) - sum(one.values())) / (n_heads - 1),
+        "per_stacked_head": (sum(more.values()) - sum(many.values())) / n_heads,
         "one_head": sum(one.values()),
         "host_reads_per_extra_head": extra.get(HOST_READ, 0.0),
         "extra_ops": dict(sorted(extra.items())),

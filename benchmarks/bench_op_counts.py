@@ -11,6 +11,9 @@ nothing) on tiny random GPT-2, Llama and BERT (2 layers, hidden 32, batch 2 x 8,
   (mean pooling, MSE). Goal: at most 12 (a Linear, its loss, the mean over what counts, the
   total, and their gradients; labels are checked and counted once per target). Host reads
   (``_local_scalar_dense``) per extra head: goal 0.
+- **per head beyond N**: the same with 2N heads against N, over N. Heads that share labels
+  and a stackable loss run it as one call (``headkit.losses.shared``), so past that call each
+  head adds its matmul, its weight gradient, a row sum and an add. Goal: at most 4.
 - **decode step**: one greedy step of ``HeadedModel.generate`` (frozen ``lm_head`` and a value
   head) against one of the backbone's own ``generate``, each the count of 12 new tokens minus
   that of 4, over 8. Goal: at most 1.02 x the backbone's step plus the heads' own matmuls; the
@@ -34,6 +37,7 @@ from _report import bench_result, figure, publish
 HERE = Path(__file__).resolve().parent
 NAME = "op_counts"
 HEAD_GOAL = Goal("<=", _ops.MAX_OPS_PER_EXTRA_HEAD)
+STACKED_GOAL = Goal("<=", _ops.MAX_OPS_PER_STACKED_HEAD)
 HOST_READ_GOAL = Goal("<=", 0)
 DECODE_GOAL = Goal("<=", _ops.MAX_DECODE_STEP_FACTOR)
 
@@ -55,6 +59,14 @@ def main(argv: list[str] | None = None) -> dict:
             details["per_extra_head"][f"{arch}/{kind}"] = c
             figures.append(
                 figure(f"ops per extra head, {kind}, {arch}", c["per_extra_head"], "ops", HEAD_GOAL)
+            )
+            figures.append(
+                figure(
+                    f"ops per head beyond {n_heads}, {kind}, {arch}",
+                    c["per_stacked_head"],
+                    "ops",
+                    STACKED_GOAL,
+                )
             )
             figures.append(
                 figure(

@@ -81,6 +81,9 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         """Return the builder for ``name`` (case-insensitive) or raise ConfigError."""
+        item = self._items.get(name) if isinstance(name, str) else None
+        if item is not None:  # the name as registered (lower case): the path of every step
+            return item
         if not isinstance(name, str) or name.lower() not in self:
             raise ConfigError(
                 f"{self.field}={name!r} is not a known {self.kind}; "

@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 
 from ..backbone.fingerprint import tensors_fingerprint
 from ..errors import ConfigError
-from ..losses.objective import head_losses, label_rule
+from ..losses.objective import label_rule
+from ..losses.shared import head_losses
 from ..model.headed import HeadedModel
 from .caching import _backbone_meta, _plan_heads, check_frozen
 from .storage import CachedFeatures

@@ -59,6 +59,9 @@ class LossSpec:
     ``options``: the options ``fn`` takes as keywords and their defaults (a head sets them in
     ``HeadConfig.loss_options``, e.g. focal's ``gamma``). ``pos_weight``: ``fn`` takes
     ``pos_weight=`` (a tensor of one weight per output), which ``HeadConfig.pos_weight`` sets.
+    ``stackable``: ``fn`` computes each row from that row alone with exactly rounded
+    arithmetic (no ``exp``/``log`` element-wise), so heads sharing labels may run it as one
+    call on their stacked predictions with the same bits (``losses.shared``).
     Class losses weigh each label by ``HeadConfig.class_weights`` (the weighted mean, as
     ``cross_entropy(weight=)``).
     """
@@ -74,6 +77,7 @@ class LossSpec:
     pairwise: bool = False
     options: Mapping[str, float] = field(default_factory=dict)
     pos_weight: bool = False
+    stackable: bool = False
 
     def __post_init__(self) -> None:
         if self.zeroes_ignored and not self.classes:
@@ -112,14 +116,20 @@ LOSSES.register(
         classes=True,
         ignores_minus_100=True,
         zeroes_ignored=True,
+        stackable=True,  # log_softmax along each row, then a gather
     ),
 )
-LOSSES.register("mse", LossSpec(lambda p, y: F.mse_loss(p, y, reduction="none")))
+LOSSES.register("mse", LossSpec(lambda p, y: F.mse_loss(p, y, reduction="none"), stackable=True))
 LOSSES.register(
-    "masked_mse", LossSpec(lambda p, y: F.mse_loss(p, y, reduction="none"), ignores_minus_100=True)
+    "masked_mse",
+    LossSpec(
+        lambda p, y: F.mse_loss(p, y, reduction="none"), ignores_minus_100=True, stackable=True
+    ),
 )
-LOSSES.register("l1", LossSpec(lambda p, y: F.l1_loss(p, y, reduction="none")))
-LOSSES.register("smooth_l1", LossSpec(lambda p, y: F.smooth_l1_loss(p, y, reduction="none")))
+LOSSES.register("l1", LossSpec(lambda p, y: F.l1_loss(p, y, reduction="none"), stackable=True))
+LOSSES.register(
+    "smooth_l1", LossSpec(lambda p, y: F.smooth_l1_loss(p, y, reduction="none"), stackable=True)
+)
 LOSSES.register(
     "bce",
     LossSpec(
@@ -400,56 +410,14 @@ def head_loss(
 
     preds: (batch, n) for sequence heads, (batch, seq, n) otherwise. The loss is the mean over
     the label elements that count; when nothing counts it is an exact zero that still belongs
-    to the graph. (``count_labels`` then ``counted_loss``; ``head_losses`` shares the first
-    among heads.) A pairwise loss reads rows as pairs instead (``_pair_loss``).
+    to the graph. (``count_labels`` then ``counted_loss``; ``losses.shared.head_losses``
+    shares the first among heads.) A pairwise loss reads rows as pairs instead (``_pair_loss``).
     """
     spec: LossSpec = LOSSES.get(cfg.loss_fct)
     if spec.pairwise:
         labels = fit_labels(cfg, preds, labels_as_tensor(labels, preds.device, _where(cfg)))
         return _pair_loss(cfg, spec, preds, labels)
     return counted_loss(cfg, preds, count_labels(cfg, preds, labels, attention_mask, check))
-
-
-def head_losses(
-    configs: Mapping[str, HeadConfig],
-    preds: Mapping[str, torch.Tensor],
-    labels: Mapping[str, Any],
-    masks: Mapping[str, torch.Tensor | None],
-    check: bool = True,
-) -> dict[str, torch.Tensor]:
-    """``head_loss`` of every head that has a loss and a label (``labels`` by target,
-    ``masks`` by head), the labels counted once for all the heads that read them alike.
-
-    Heads that read one target with the same label rule, mask and prediction shape share one
-    ``count_labels`` (its checks, masks and count of what counts): a head adds only its own
-    loss, whatever the number of heads.
-    """
-    shared: dict[tuple, CountedLabels] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, cfg in configs.items():
-        y = labels.get(cfg.target)
-        if y is None or cfg.loss_fct is None:
-            continue
-        p, mask = preds[name], masks.get(name)
-        if LOSSES.get(cfg.loss_fct).pairwise:  # rows read as pairs: nothing to count
-            out[name] = head_loss(cfg, p, y, mask, check)
-            continue
-        key = _sharing_key(cfg, p, mask, check)
-        counted = shared.get(key)
-        if counted is None:
-            counted = shared[key] = count_labels(cfg, p, y, mask, check)
-        out[name] = counted_loss(cfg, p, counted)
-    return out
-
-
-def _sharing_key(cfg: HeadConfig, preds: torch.Tensor, mask: Any, check: bool) -> tuple:
-    """What ``count_labels`` depends on besides the labels of ``cfg.target``: heads with equal
-    keys get the same ``CountedLabels`` (the mask by identity: one object per stack)."""
-    rule = label_rule(cfg)
-    spec: LossSpec = LOSSES.get(cfg.loss_fct)
-    pads = cfg.ignore_pads if rule.skips_padding else None
-    shape = (tuple(preds.shape), preds.device)
-    return (cfg.target, id(mask), rule, pads, shape, spec.target_range, check)
 
 
 @dataclass

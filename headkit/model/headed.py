@@ -44,7 +44,8 @@ from ..distributed.sharding import is_sharded, save_sharded
 from ..errors import BatchError, CheckpointError, ConfigError
 from ..generation.generate import HeadedGenerationMixin
 from ..heads.base import HeadDict, build_head, get_submodule_by_name
-from ..losses.objective import head_losses, target_rules
+from ..losses.objective import target_rules
+from ..losses.shared import head_losses
 from ..losses.weighting import LossWeighting, build_weighting
 from ..modules import device_of
 from .guards import NonFiniteGuard, ValueChecks
@@ -427,7 +428,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         """Each head's loss, for the heads that have a loss and a label in ``labels``
         (``check``: validate the labels' values on the host; ``mask``: one for all heads, or
         each head's). Labels are checked and counted once for the heads that read them alike
-        (``losses.objective.head_losses``)."""
+        (``losses.shared.head_losses``)."""
         masks = {name: mask_of(mask, name) for name in self.head_configs}
         return head_losses(self.head_configs, preds, labels, masks, check)
 

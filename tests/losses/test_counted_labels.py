@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from headkit import HeadConfig
 from headkit.errors import BatchError, ConfigError
 from headkit.losses import LOSSES, LossSpec, head_loss
-from headkit.losses.objective import head_losses
+from headkit.losses.shared import head_losses
 
 MASK = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])
 

@@ -26,6 +26,8 @@ def test_an_extra_head_adds_at_most_its_own_operations(arch: str, kind: str) -> 
     counted = _ops.per_extra_head(arch, kind, n_heads=3)
     # a Linear, its loss, the mean over what counts, the total, and their gradients: 8 to 10
     assert counted["per_extra_head"] <= _ops.MAX_OPS_PER_EXTRA_HEAD, counted
+    # once the heads share one loss call: the Linear, its weight gradient, a row sum, an add
+    assert counted["per_stacked_head"] <= _ops.MAX_OPS_PER_STACKED_HEAD, counted
     assert counted["host_reads_per_extra_head"] == 0, counted
     # labels are checked, masked and counted once per target, not once per head
     assert not {"where", "bitwise_and", "scalar_tensor", "ones"} & set(counted["extra_ops"])
