@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..modules import first_parameter
 from .activations import build_activation
 from .base import HEADS, Head
 
@@ -54,11 +55,19 @@ class MLPHead(Head):
 
     def features(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The head's input in the head's dtype: pooled (batch, width) or (batch, seq, in)."""
-        return super().features(hidden, mask).to(self.linears[0].weight.dtype)
+        return super().features(hidden, mask).to(self._dtype)
 
     def from_features(self, features: torch.Tensor) -> torch.Tensor:
         """Apply the MLP and output activation to precomputed ``features``."""
-        return self.output_activation(self.mlp(features.to(self.linears[0].weight.dtype)))
+        out = self.mlp(features.to(self._dtype))
+        if isinstance(self.output_activation, nn.Identity):  # "linear": once per head a step
+            return out
+        return self.output_activation(out)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The first Linear's dtype (its weight is the MLP's first parameter)."""
+        return first_parameter(self.mlp).dtype  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ hooks (see base.py)
     def output_projection(self) -> nn.Linear:

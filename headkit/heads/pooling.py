@@ -360,6 +360,8 @@ class SequencePooling(nn.Module):
             }
         )
         self.hidden_size = hidden_size
+        # read once per head a step (``Head.pooling_key``); the strategies are fixed here
+        self._has_parameters = first_parameter(self.strategies) is not None
 
     @property
     def pooler(self) -> nn.Module | None:
@@ -383,7 +385,7 @@ class SequencePooling(nn.Module):
     @property
     def has_parameters(self) -> bool:
         """Whether any strategy learns (then its output cannot be shared between heads)."""
-        return first_parameter(self.strategies) is not None
+        return self._has_parameters
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """(batch, seq, hidden), (batch, seq) → (batch, out_size). No mask: all tokens count."""
