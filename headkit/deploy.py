@@ -27,12 +27,19 @@ def export(
     format: str = "onnx",
     *,
     overwrite: bool = False,
+    device: Any = None,
     **options: Any,
 ) -> Any:
     """Export ``model`` (a HeadedModel, or a checkpoint folder: its tokenizer, if saved there,
     goes along) to ``directory`` with the exporter registered as ``format`` in ``EXPORTERS``;
     returns what it wrote (``OnnxExport``, ``TransformersExport``, ...). ``options`` are the
     exporter's (``export_onnx``: ``tokenizer``, ``heads``, ``atol``, ...).
+
+    ``device`` ("cuda", "cuda:1", "auto", a ``torch.device``; default the CPU): where a
+    checkpoint folder is loaded, so the export is traced, and checked against the model, there
+    (an ONNX graph is then run with onnxruntime on the CPU and compared within ``atol``). A
+    HeadedModel is exported where it is: a ``device`` elsewhere is refused. A device torch
+    does not see is a ConfigError before anything is loaded.
 
     As ``headkit export``, nothing of the user's is replaced: an exporter that knows its own
     output (a ``check_target(directory, overwrite, **options)`` attribute: ``onnx``,
@@ -47,14 +54,21 @@ def export(
             value=format,
         )
     exporter = EXPORTERS.get(format)
+    from .modules import on_device, resolve_device  # torch: only once exporting
+
+    folder = isinstance(model, (str, os.PathLike))
+    if folder:
+        device = resolve_device(device)
+    else:
+        on_device(model, device)
     check = getattr(exporter, "check_target", None)
     if check is not None:
         check(Path(directory), overwrite, **options)
         options["overwrite"] = overwrite
     else:
         _new_or_empty(Path(directory), format, overwrite)
-    if isinstance(model, (str, os.PathLike)):
-        model, tokenizer = _open(Path(model))
+    if folder:
+        model, tokenizer = _open(Path(model), device)
         options.setdefault("tokenizer", tokenizer)
     return exporter(model, directory, **options)
 
@@ -80,13 +94,14 @@ def _new_or_empty(directory: Path, format: str, overwrite: bool) -> None:
         )
 
 
-def _open(folder: Path) -> tuple[Any, Any]:
-    """The model of a checkpoint folder and the tokenizer saved beside it (None if none)."""
+def _open(folder: Path, device: Any) -> tuple[Any, Any]:
+    """The model of a checkpoint folder, on ``device``, and the tokenizer saved beside it
+    (None if none)."""
     from transformers import AutoTokenizer
 
     from .model.headed import HeadedModel
 
-    model = HeadedModel.from_pretrained(folder).eval()
+    model = HeadedModel.from_pretrained(folder).to(device).eval()
     tokenizer = None
     if (folder / "tokenizer_config.json").is_file():
         try:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ConfigError, HeadkitError
+from ..modules import on_device, resolve_device
 from .card import CARD, owns_card, refresh_card
 from .journal import in_use
 from .manifest import MANIFEST, PICKLE_SUFFIXES
@@ -64,13 +65,23 @@ def push_to_hub(
     dry_run: bool = False,
     output: str | os.PathLike | None = None,
     model_cls: type | None = None,
+    device: Any = None,
 ) -> PushResult:
     """Stage ``source`` (a HeadedModel, saved for the purpose, or a checkpoint folder) for
     ``repo_id`` and upload it with ``huggingface_hub.upload_folder`` (see the module
     docstring). ``dry_run=True`` only stages, into ``output`` (default: a new temporary
     folder, kept); ``output`` must be empty or new. ``model_cls``: the class that restores a
-    checkpoint folder (needed with ``include_backbone=True`` for a folder)."""
+    checkpoint folder (needed with ``include_backbone=True`` for a folder). ``device``
+    (default the CPU): where a checkpoint folder is loaded when it is saved again
+    (``include_backbone=True``; the files are the same from any device; otherwise it is
+    copied and nothing is loaded); a HeadedModel is saved from where it is, a ``device``
+    elsewhere is refused. A device torch does not see is a ConfigError before anything is
+    written."""
     _check_repo_id(repo_id)
+    if isinstance(source, (str, os.PathLike)):
+        device = resolve_device(device)
+    else:
+        on_device(source, device)
     keep = dry_run or output is not None
     target = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="headkit-push-"))
     if output is not None:
@@ -78,7 +89,7 @@ def push_to_hub(
             raise ConfigError(f"output={str(target)!r} must be a new or empty folder")
         target.mkdir(parents=True, exist_ok=True)
     try:
-        left_out = stage(source, target, repo_id, tokenizer, include_backbone, model_cls)
+        left_out = stage(source, target, repo_id, tokenizer, include_backbone, model_cls, device)
         files = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
         url = None
         if not dry_run:
@@ -109,10 +120,12 @@ def stage(
     tokenizer: Any = None,
     include_backbone: bool = False,
     model_cls: type | None = None,
+    device: Any = None,
 ) -> list[str]:
     """Write what ``repo_id`` will hold into the empty folder ``target``; returns the names
     left out. A backbone hub users could not load is refused (or copied with
-    ``include_backbone``); the staged checkpoint is verified."""
+    ``include_backbone``: a folder is then loaded, on ``device``, and saved again); the staged
+    checkpoint is verified."""
     left_out: list[str] = []
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
@@ -121,6 +134,8 @@ def stage(
             if model_cls is None:
                 raise ConfigError("include_backbone=True for a checkpoint folder needs model_cls")
             model = restore(folder, model_cls=model_cls)
+            if device is not None:
+                model.to(device)  # saved from there: the same bytes as from the CPU
             model.save_pretrained(target, save_backbone=True, main_process_only=False)
             raw = read_raw(folder / MANIFEST)
             skip = in_use(raw) | set(os.listdir(target))

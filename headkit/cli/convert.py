@@ -7,8 +7,9 @@ LoRA save's base referenced). A new checkpoint is written into a new folder besi
 renamed into place, so ``OUT`` never holds half a checkpoint; ``OUT`` may not be an input, an
 existing headkit checkpoint there is replaced only with ``--overwrite`` (by a save into it: only
 the files a save wrote are replaced, as ``save_pretrained`` does; the user's other files there,
-a README.md of theirs included, stay), and a folder of other files is refused. Importing this
-module imports argparse only.
+a README.md of theirs included, stay), and a folder of other files is refused. ``--device``:
+the checkpoint is read on the CPU, moved there and saved from there (the weight files are
+the same bytes from any device). Importing this module imports argparse only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError
 from .options import add_quiet
@@ -26,6 +28,10 @@ HELP = "convert a transformer-heads checkpoint into a headkit checkpoint"
 EXAMPLE = """example:
   headkit convert runs/th_qlora runs/headkit_qlora
   headkit convert th_heads_only runs/heads --base gpt2 --overwrite"""
+DEVICE_HELP = (
+    "where the checkpoint is loaded (read on the CPU, then moved) and saved from; what is "
+    "written is the same on any device"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    out = convert(args.checkpoint, args.output, base=args.base, overwrite=args.overwrite)
+    from .options import resolve_device
+
+    device = resolve_device(args.device)  # before anything is loaded or written
+    out = convert(
+        args.checkpoint, args.output, base=args.base, overwrite=args.overwrite, device=device
+    )
     print(f"wrote {out}")
 
 
@@ -51,15 +62,21 @@ def convert(
     *,
     base: str | None = None,
     overwrite: bool = False,
+    device: Any = None,
 ) -> Path:
     """Write the headkit checkpoint of the transformer-heads folder ``checkpoint`` to
-    ``output`` (atomically: a sibling folder renamed into place); returns ``output``."""
+    ``output`` (atomically: a sibling folder renamed into place); returns ``output``.
+    ``device`` (default the CPU): where the model, read on the CPU, is moved and saved from;
+    the files written are the same from any device."""
+    from ..checkpoint.card import refresh_card
     from ..checkpoint.paths import is_checkpoint
     from ..compat.checkpoint import detect
     from ..loading import load_headed
     from ..model.headed import HeadedModel
+    from ..modules import resolve_device
     from .outputs import check_output_folder, local_inputs
 
+    device = resolve_device(device)
     src, out = Path(checkpoint), Path(output)
     layout = detect(src) if src.is_dir() else None
     if layout is None:
@@ -89,6 +106,7 @@ def convert(
         model = load_headed(base, head_folder_path=src)
     else:
         model = HeadedModel.from_pretrained(src)
+    model.to(device)  # saved from there: safetensors writes the same bytes from any device
     # a full save's backbone is copied: the output stands alone, whatever the source folder's
     # fate (an unchanged loaded backbone is otherwise referenced); a LoRA base is referenced
     save_backbone = True if layout == "full" else None
@@ -101,6 +119,7 @@ def convert(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-", dir=out.parent))
     try:
         model.save_pretrained(tmp, save_backbone=save_backbone)
+        refresh_card(tmp, title=out.name)  # titled by its folder, not the temporary one
         os.replace(tmp, out)  # a new or empty folder
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

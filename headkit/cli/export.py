@@ -1,8 +1,9 @@
 """``headkit export CHECKPOINT --format onnx --output DIR``: a checkpoint in a format other
 stacks serve: one ONNX graph of every head, or one head as a plain transformers classifier
 (``headkit.export``). ``--format`` lists the export formats registered in
-``headkit.formats.EXPORTERS``. Importing this module imports argparse and that registry only;
-``run`` imports the rest.
+``headkit.formats.EXPORTERS``. ``--device`` is where the checkpoint is loaded and the export
+runs from (``headkit.export(..., device=)``). Importing this module imports argparse and that
+registry only; ``run`` imports the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ EXAMPLE = """example:
 the ONNX folder holds model.onnx, headkit_onnx.json (what each output is) and the tokenizer;
 the transformers folder loads with AutoModelForSequenceClassification (or
 AutoModelForTokenClassification)"""
+DEVICE_HELP = (
+    "where the checkpoint is loaded, and the export traced and checked against the model "
+    "(an ONNX graph is also run with onnxruntime on the CPU)"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,9 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from ..deploy import export
     from ..errors import ConfigError
+    from .options import resolve_device
 
+    device = resolve_device(args.device)  # before anything is loaded or written
     check_export_folder(args)
-    options: dict = {"atol": args.atol, "overwrite": args.overwrite}
+    options: dict = {"atol": args.atol, "overwrite": args.overwrite, "device": device}
     if args.format == "onnx":
         options.update(heads=args.head, opset=args.opset, exporter=args.exporter)
         result = export(args.checkpoint, args.output, "onnx", **options)
@@ -75,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
         )
     options["head"] = args.head[0] if args.head else None
     if args.format != "transformers":  # another registered format: its head, if one is named
-        options = {"head": options["head"]} if args.head else {}
+        options = {"device": device, **({"head": options["head"]} if args.head else {})}
         result = export(args.checkpoint, args.output, args.format, **options)
         print(f"wrote {args.output} ({args.format}: {type(result).__name__})")
         return

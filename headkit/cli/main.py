@@ -3,7 +3,9 @@
 
 Runs as ``headkit ...`` (console script) or ``python -m headkit ...``. This module holds the
 parser and the dispatch; each command is a module with ``add_arguments(parser)`` (argparse
-only, so ``--help`` prints without importing torch) and ``run(args)``. Each command's
+only, so ``--help`` prints without importing torch) and ``run(args)``; every command also
+takes ``--threads`` and ``--device`` (its ``DEVICE_HELP`` says what the device is for there;
+a device torch does not see is one error naming ``--device``). Each command's
 ``--help`` ends with an example. A bad argument exits with status 2 and one line that names
 the argument, its value and what is allowed (a missing column lists the columns present).
 """
@@ -30,9 +32,6 @@ COMMANDS = {
     "export": export,
     "push": push,
 }
-
-#: Commands that run a model over data: they take ``--device``.
-RUN_MODELS = ("probe", "train", "eval", "predict", "demo")
 
 #: An error's ``field`` (``HeadkitError.field``) -> the option it is reported as, where the
 #: command has that option: library arguments by their option names, positionals as named.
@@ -77,9 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(p)
-        add_threads(p)
-        if name in RUN_MODELS:
-            add_device(p)
+        add_threads(p)  # every command: --threads and --device (where its model is loaded)
+        add_device(p, getattr(module, "DEVICE_HELP", "where the model runs"))
         p.set_defaults(run=module.run)
     return parser
 

@@ -183,34 +183,19 @@ def device(text: str) -> str:
     return text
 
 
-def add_device(p: argparse.ArgumentParser) -> None:
-    """``--device``, on the commands that run a model over data."""
-    p.add_argument(
-        "--device",
-        type=device,
-        default="cpu",
-        help="where the model runs: cpu (default), cuda, cuda:N, mps, or auto (cuda when "
-        "torch sees one, else cpu)",
-    )
+#: ``--device``'s values, the end of every command's help for it.
+DEVICE_VALUES = "cpu (default), cuda, cuda:N, mps, or auto (cuda when torch sees one, else cpu)"
+
+
+def add_device(p: argparse.ArgumentParser, what: str = "where the model runs") -> None:
+    """``--device``, on every command (``main`` adds it, with the command's ``DEVICE_HELP``:
+    what the device is for there)."""
+    p.add_argument("--device", type=device, default="cpu", help=f"{what}: {DEVICE_VALUES}")
 
 
 def resolve_device(name: str | None) -> Any:
     """The ``torch.device`` of ``--device`` (imports torch); a device torch does not see is a
-    ConfigError naming the option."""
-    import torch
+    ConfigError naming the option (``headkit.modules.resolve_device``)."""
+    from ..modules import resolve_device as named_device
 
-    from ..errors import ConfigError
-
-    if name in (None, "cpu"):
-        return torch.device("cpu")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kind = name.split(":")[0]
-    backend = getattr(torch, kind, None)
-    available = backend is not None and backend.is_available()
-    index = int(name.split(":")[1]) if ":" in name else 0
-    if available and hasattr(backend, "device_count") and index >= backend.device_count():
-        available = False
-    if not available:
-        raise ConfigError(f"--device={name!r}: torch sees no such device here; allowed: cpu, auto")
-    return torch.device(name)
+    return named_device(name, "--device")

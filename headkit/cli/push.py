@@ -1,6 +1,8 @@
 """``headkit push CHECKPOINT REPO_ID``: upload a checkpoint folder and its model card to the
 Hugging Face hub (``headkit.checkpoint.hub``); ``--dry-run --output DIR`` writes what would be
-uploaded instead. Importing this module imports argparse only; ``run`` imports the rest.
+uploaded instead. The checkpoint is loaded only to be saved again with its backbone
+(``--include-backbone``), on ``--device``; otherwise its files are copied. Importing this
+module imports argparse only; ``run`` imports the rest.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ EXAMPLE = """example:
   headkit push runs/sentiment my-org/sentiment-probe --dry-run --output staged/
 a backbone referenced from a local folder is refused unless --include-backbone uploads it too;
 the token comes from --token, HF_TOKEN or `hf auth login`"""
+DEVICE_HELP = (
+    "where the checkpoint is loaded to be saved again with --include-backbone (what is "
+    "uploaded is the same on any device; without it nothing is loaded)"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +43,9 @@ def run(args: argparse.Namespace) -> None:
     from ..checkpoint.hub import push_to_hub
     from ..errors import ConfigError
     from ..model.headed import HeadedModel
+    from .options import resolve_device
 
+    device = resolve_device(args.device)  # before anything is loaded or written
     if args.output and not args.dry_run:
         raise ConfigError("--output is where --dry-run writes the staged folder; add --dry-run")
     if args.output:
@@ -62,6 +70,7 @@ def run(args: argparse.Namespace) -> None:
         dry_run=args.dry_run,
         output=args.output,
         model_cls=HeadedModel,
+        device=device,
     )
     left = f"; left out: {', '.join(result.left_out)}" if result.left_out else ""
     if args.dry_run:

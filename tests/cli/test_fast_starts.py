@@ -77,7 +77,7 @@ def test_threads_sets_torchs_thread_count_for_the_command_only():
     assert torch.get_num_threads() == before
 
 
-def test_every_command_takes_threads():
+def test_every_command_takes_threads_and_device():
     from headkit.cli.main import COMMANDS
 
     for name in COMMANDS:
@@ -88,7 +88,19 @@ def test_every_command_takes_threads():
             cwd=ROOT,
             timeout=300,
         ).stdout
-        assert "--threads" in out, name
+        assert "--threads" in out and "--device DEVICE" in out, name
+
+
+@pytest.mark.parametrize("command", ["convert", "export", "push"])
+def test_device_says_what_it_is_for_where_no_data_runs_through_the_model(command, capsys):
+    from headkit.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--device DEVICE where the checkpoint is loaded" in text
+    assert "cpu (default), cuda, cuda:N, mps, or auto" in text
 
 
 def test_device_is_checked_before_torch_and_against_what_torch_sees(files, capsys):
@@ -99,6 +111,11 @@ def test_device_is_checked_before_torch_and_against_what_torch_sees(files, capsy
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "argument --device: invalid value 'gpu'; allowed: cpu, cuda, cuda:N, mps" in err
+    with pytest.raises(SystemExit) as e:  # on every command
+        main(["convert", str(files["ckpt"]), str(files["out"]), "--device", "cuda:x"])
+    assert e.value.code == 2 and "argument --device: invalid value 'cuda:x'" in (
+        capsys.readouterr().err
+    )
     args = ["probe", "--model", "packaged:minilm", "--data", str(files["data"])]
     args += ["--output", str(files["out"]), "--device", "cuda:999"]  # no machine has it
     assert main(args) == 2

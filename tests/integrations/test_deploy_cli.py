@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import build_tiny
 from onnx_checks import compare_with_eager, padded
+from saved_files import saved_files
 from tiny_text import tiny_tokenizer
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-from headkit import HeadConfig, HeadedModel
+from headkit import ConfigError, HeadConfig, HeadedModel
 from headkit.checkpoint.manifest import MANIFEST
 from headkit.cli.main import main
 
@@ -93,3 +94,66 @@ def test_push_dry_run_writes_the_staged_folder(checkpoint, tmp_path, capsys):
         )
     code = main(["push", str(folder), "me/tagger", "--output", str(tmp_path / "x")])
     assert code == 2 and "add --dry-run" in capsys.readouterr().err
+
+
+#: A device torch does not see here (cuda:7 unless this machine has more than 7 GPUs).
+UNSEEN = f"cuda:{max(7, torch.cuda.device_count())}"
+
+
+@pytest.mark.parametrize("fmt", ["transformers", "onnx"])
+def test_export_on_the_cpu_device_writes_what_the_default_writes(checkpoint, tmp_path, fmt):
+    folder, _ = checkpoint
+    args = [str(folder), "--format", fmt, "--quiet"]
+    args += ["--head", "tags"] if fmt == "transformers" else ["--exporter", "torchscript"]
+    default, cpu = tmp_path / "default" / "out", tmp_path / "cpu" / "out"  # one card title
+    assert main(["export", *args, "--output", str(default)]) == 0
+    assert main(["export", *args, "--output", str(cpu), "--device", "cpu"]) == 0
+    written = saved_files(cpu, skip=())
+    weights = "model.safetensors" if fmt == "transformers" else "model.onnx"
+    assert {weights, "tokenizer.json", "README.md"} <= set(written)
+    assert written == saved_files(default, skip=())
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["export", "{ckpt}", "--output", "{out}"],
+        ["export", "{ckpt}", "--format", "transformers", "--head", "tags", "--output", "{out}"],
+        ["push", "{ckpt}", "me/tagger", "--dry-run", "--output", "{out}"],
+        ["push", "{ckpt}", "me/tagger", "--dry-run", "--include-backbone", "--output", "{out}"],
+    ],
+    ids=["export-onnx", "export-transformers", "push", "push-with-backbone"],
+)
+def test_a_device_torch_does_not_see_is_refused_before_anything_is_written(
+    checkpoint, tmp_path, capsys, command
+):
+    folder, _ = checkpoint
+    before = sorted(p.name for p in folder.iterdir())
+    out = tmp_path / "out"
+    args = [a.format(ckpt=folder, out=out) for a in command]
+    code = main([*args, "--quiet", "--device", UNSEEN])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--device={UNSEEN!r}: torch sees no such device here" in err
+    assert list(tmp_path.iterdir()) == [] and sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_push_with_the_backbone_on_the_cpu_device_stages_what_the_default_stages(
+    checkpoint, tmp_path
+):
+    folder, _ = checkpoint
+    args = ["push", str(folder), "me/tagger", "--dry-run", "--include-backbone", "--quiet"]
+    assert main([*args, "--output", str(tmp_path / "default")]) == 0
+    assert main([*args, "--output", str(tmp_path / "cpu"), "--device", "cpu"]) == 0
+    staged = saved_files(tmp_path / "cpu")
+    assert any(n.startswith("backbone-TOKEN/") and n.endswith(".safetensors") for n in staged)
+    assert staged == saved_files(tmp_path / "default")
+
+
+def test_export_of_a_model_object_refuses_a_device_torch_does_not_see(checkpoint, tmp_path):
+    import headkit
+
+    _, model = checkpoint
+    with pytest.raises(ConfigError, match=rf"device='{UNSEEN}': torch sees no such device"):
+        headkit.export(model, tmp_path / "out", "transformers", head="tags", device=UNSEEN)
+    assert list(tmp_path.iterdir()) == []

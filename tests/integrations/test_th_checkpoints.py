@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from saved_files import saved_files
 from th_fixtures import (
     FULL,
     GPT2_BASE,
@@ -151,3 +152,30 @@ def test_convert_writes_a_headkit_checkpoint_atomically(tmp_path: Path):
     assert any(p.name.startswith("backbone-") for p in full.iterdir())  # copied: self-contained
     assert_recorded_preds(HeadedModel.from_pretrained(full), "gpt2-full")
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary left
+
+
+@pytest.mark.parametrize("folder", [FULL, LORA], ids=["full", "lora"])
+def test_convert_on_the_cpu_device_writes_what_the_default_writes(tmp_path: Path, folder: Path):
+    assert cli_main(["convert", str(folder), str(tmp_path / "default"), "--quiet"]) == 0
+    cpu = tmp_path / "cpu"
+    assert cli_main(["convert", str(folder), str(cpu), "--quiet", "--device", "cpu"]) == 0
+    written = saved_files(cpu)
+    assert any(name.endswith(".safetensors") for name in written)
+    assert written == saved_files(tmp_path / "default")
+
+
+def test_convert_refuses_a_device_torch_does_not_see_before_writing(tmp_path: Path, capsys):
+    unseen = f"cuda:{max(7, torch.cuda.device_count())}"
+    out = tmp_path / "converted"
+    assert cli_main(["convert", str(LORA), str(out), "--quiet", "--device", unseen]) == 2
+    err = capsys.readouterr().err
+    assert f"--device={unseen!r}: torch sees no such device here" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_titles_its_card_with_out_not_its_temporary_folder(tmp_path: Path):
+    out = tmp_path / "converted"
+    assert cli_main(["convert", str(LORA), str(out), "--quiet"]) == 0
+    card = (out / "README.md").read_text()
+    assert "\n# converted\n" in card and ".convert-" not in card
+    assert HeadedModel.from_pretrained(out) is not None  # the card rendered again: it loads
