@@ -6,7 +6,10 @@ import json
 
 import yaml
 from cli_helpers import one_error_line, review_files, tiny_model, train_checkpoint
+from tiny_text import planted_texts
 
+from headkit.checkpoint.card import PACKAGED_DATASETS
+from headkit.cli.datafiles import write_rows
 from headkit.cli.main import main
 
 
@@ -80,3 +83,22 @@ def test_record_on_the_training_eval_data_replaces_its_metrics(tmp_path, capsys)
     assert main(["eval", str(ckpt), "--data", eval_data, "--record", "--quiet"]) == 0
     twice = json.loads((ckpt / "headkit_cli.json").read_text())
     assert twice.get("evaluations", []) == again.get("evaluations", [])
+
+
+def test_record_on_a_packaged_data_set_names_it_in_the_cards_datasets(tmp_path, capsys):
+    """``--data packaged:rotten_tomatoes``: the card's ``datasets`` gets its hub id (the only
+    packaged set with one: ``card.PACKAGED_DATASETS``), the model-index its result."""
+    texts, labels, _ = planted_texts(40, seed=5)  # labels 0/1, as the packaged reviews'
+    rows = [{"text": t, "label": y} for t, y in zip(texts, labels)]
+    train = write_rows(tmp_path / "train.csv", rows)
+    ckpt = train_checkpoint(tmp_path, tiny_model(tmp_path), train)
+    meta, _ = _card_meta(ckpt)
+    assert "datasets" not in meta  # trained on a local file: no hub data set yet
+    data = "packaged:rotten_tomatoes"
+    assert main(["eval", str(ckpt), "--data", data, "--limit", "16", "--record", "--quiet"]) == 0
+    settings = json.loads((ckpt / "headkit_cli.json").read_text())
+    assert [e["data"] for e in settings["evaluations"]] == [data]
+    meta, _ = _card_meta(ckpt)
+    assert meta["datasets"] == [PACKAGED_DATASETS[data]]
+    names = [r["dataset"]["name"] for r in meta["model-index"][0]["results"]]
+    assert data in names
