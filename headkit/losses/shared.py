@@ -79,11 +79,10 @@ def head_losses(
         groups.setdefault((key, *_stacking_key(cfg, spec, p, counted[key])), []).append(name)
     for (key, *_), names in groups.items():
         if len(names) == 1:
-            for name in names:
-                out[name] = counted_loss(configs[name], preds[name], counted[key])
-            continue
-        stacked = stacked_losses(configs[names[0]], [preds[n] for n in names], counted[key])
-        out.update(zip(names, stacked))
+            out[names[0]] = counted_loss(configs[names[0]], preds[names[0]], counted[key])
+        else:
+            stacked = stacked_losses(configs[names[0]], [preds[n] for n in names], counted[key])
+            out.update(zip(names, stacked))
     return out  # type: ignore[return-value]
 
 
