@@ -57,10 +57,17 @@ def head_losses(
     labels: Mapping[str, Any],
     masks: Mapping[str, torch.Tensor | None],
     check: bool = True,
+    stack: bool = True,
 ) -> dict[str, torch.Tensor]:
     """``head_loss`` of every head that has a loss and a label (``labels`` by target,
     ``masks`` by head), in ``configs``' order: labels counted once for all the heads that
-    read them alike, and the losses of stackable heads computed as one call."""
+    read them alike, and (``stack``) the losses of stackable heads computed as one call.
+
+    ``stack=False`` keeps every head's loss in a graph of its own: where a non-finite loss is
+    left out of the total (``nonfinite_loss="skip"``), nothing flows back into its head. In
+    one call, the other heads' zero gradient for its rows would become NaN there
+    (``log_softmax``'s backward of a NaN row), so ``HeadedModel`` stacks only under "raise".
+    """
     counted: dict[tuple, CountedLabels] = {}
     groups: dict[tuple, list[str]] = {}
     out: dict[str, torch.Tensor | None] = {}
@@ -76,7 +83,8 @@ def head_losses(
         if key not in counted:
             counted[key] = count_labels(cfg, p, y, mask, check)
         out[name] = None  # keeps the order; filled below
-        groups.setdefault((key, *_stacking_key(cfg, spec, p, counted[key])), []).append(name)
+        alone = (name,) if not stack else _stacking_key(cfg, spec, p, counted[key])
+        groups.setdefault((key, *alone), []).append(name)
     for (key, *_), names in groups.items():
         if len(names) == 1:
             out[names[0]] = counted_loss(configs[names[0]], preds[names[0]], counted[key])

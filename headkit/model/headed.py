@@ -430,7 +430,8 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         each head's). Labels are checked and counted once for the heads that read them alike
         (``losses.shared.head_losses``)."""
         masks = {name: mask_of(mask, name) for name in self.head_configs}
-        return head_losses(self.head_configs, preds, labels, masks, check)
+        stack = self.nonfinite_loss != "skip"  # a skipped loss must send back nothing
+        return head_losses(self.head_configs, preds, labels, masks, check, stack=stack)
 
     def combine_losses(
         self, losses: dict[str, torch.Tensor]
