@@ -202,3 +202,25 @@ def test_a_skipped_non_finite_loss_sends_nothing_back_into_its_head() -> None:
     for name in ("a", "c"):
         got = model.heads[name].linears[0].weight.grad
         assert torch.equal(got, alone.heads[name].linears[0].weight.grad), name
+
+
+@pytest.mark.parametrize(
+    ("kw", "shared"),
+    [
+        ({}, [3]),  # frozen backbone, parameter-free pooling: one call
+        ({"freeze_base_model": False}, []),  # inputs need a gradient: each head alone
+        ({"nonfinite_loss": "skip"}, []),
+    ],
+)
+def test_the_model_shares_a_call_only_where_gradients_cannot_change(kw, shared, monkeypatch):
+    calls = []
+    stacked = shared_losses.stacked_losses
+    monkeypatch.setattr(
+        shared_losses, "stacked_losses", lambda *a: calls.append(len(a[1])) or stacked(*a)
+    )
+    heads = [HeadConfig(n, num_outputs=2, pred_for_sequence=True, pooling="mean", target="y")
+             for n in "abc"]  # fmt: skip
+    model = HeadedModel(build_tiny("bert", num_layers=2), heads, **kw).train()
+    ids = torch.randint(3, 90, (4, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, y=torch.tensor([0, 1, 1, 0])).loss.backward()
+    assert calls == shared
