@@ -59,9 +59,10 @@ class LossSpec:
     ``options``: the options ``fn`` takes as keywords and their defaults (a head sets them in
     ``HeadConfig.loss_options``, e.g. focal's ``gamma``). ``pos_weight``: ``fn`` takes
     ``pos_weight=`` (a tensor of one weight per output), which ``HeadConfig.pos_weight`` sets.
-    ``stackable``: ``fn`` computes each row from that row alone with exactly rounded
-    arithmetic (no ``exp``/``log`` element-wise), so heads sharing labels may run it as one
-    call on their stacked predictions with the same bits (``losses.shared``).
+    ``stackable``: ``fn`` computes each row from that row alone, the same way wherever the row
+    lies in memory (no element-wise ``exp``/``log``, whose vector lanes and scalar tail may
+    round differently), so heads sharing labels may run it as one call on their stacked
+    predictions with the same bits (``losses.shared``).
     Class losses weigh each label by ``HeadConfig.class_weights`` (the weighted mean, as
     ``cross_entropy(weight=)``).
     """
@@ -116,7 +117,7 @@ LOSSES.register(
         classes=True,
         ignores_minus_100=True,
         zeroes_ignored=True,
-        stackable=True,  # log_softmax along each row, then a gather
+        stackable=True,  # log_softmax runs each row on its own; then a gather
     ),
 )
 LOSSES.register("mse", LossSpec(lambda p, y: F.mse_loss(p, y, reduction="none"), stackable=True))

@@ -11,22 +11,24 @@ it alone, bit for bit, but:
   Linear and nothing else per step: on the CPU the per-row kernels wake the worker threads
   once per batch instead of once per head, on a GPU they launch once.
 
-Why that is exact. The loss functions of stackable specs compute each row from that row
-alone with exactly rounded arithmetic (``log_softmax`` along the row, a gather, ``-``, ``*``,
-``abs``), so a row's value does not depend on its neighbours or its place in memory. Each
-head's slice starts on a 256-byte boundary, as its own allocation would (``ALIGN_ROWS``): the
-mean's ``sum`` of each head reads one contiguous, aligned row of the length it had alone (a
-sum over a dimension may add in another order, so it is not used), and the gradients that
-reach each head's Linear are aligned slices too, so kernels that choose their path by
-alignment choose as before. Losses with transcendental element-wise functions (``bce``,
-``bce_with_logits``, ``focal``) are not stackable: a vectorised ``exp`` and the scalar one
-of a tensor's tail may round differently. Heads with ``class_weights``, ``pos_weight`` or a
-causal shift compute alone.
+Why that is exact. A stackable loss computes each row from that row alone, and the same way
+wherever the row lies: ``-``, ``*`` and ``abs`` element-wise (exactly rounded, so a vector
+lane and the scalar tail agree), and cross-entropy's ``log_softmax``, whose kernels run each
+row on its own from its first element. Each head's slice starts on a 256-byte boundary, as
+its own allocation would (``ALIGN_ROWS``): each head's mean is the ``sum`` of one contiguous,
+aligned row of the length it had alone (a sum over a dimension may add in another order, so
+it is not used), and the gradients that reach each head's Linear are aligned slices too, so
+kernels that choose their path by alignment choose as before. Losses with element-wise
+``exp``/``log`` (``bce``, ``bce_with_logits``, ``focal``) are not stackable: where a row
+lies decides whether a value goes through a vector lane or the scalar tail, which may round
+differently. Heads with ``class_weights``, ``pos_weight`` or a causal shift compute alone,
+and so do those ``head_losses``' ``stack`` leaves out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,10 +59,25 @@ def head_losses(
     labels: Mapping[str, Any],
     masks: Mapping[str, torch.Tensor | None],
     check: bool = True,
+    stack: bool | AbstractSet[str] = True,
 ) -> dict[str, torch.Tensor]:
     """``head_loss`` of every head that has a loss and a label (``labels`` by target,
     ``masks`` by head), in ``configs``' order: labels counted once for all the heads that
-    read them alike, and the losses of stackable heads computed as one call."""
+    read them alike, and (``stack``) the losses of stackable heads computed as one call.
+
+    ``stack``: which heads may share a call (True: any; a set: those named). A head computes
+    alone where the order of gradients matters or a gradient must not flow:
+
+    - heads whose inputs need a gradient (a trainable backbone, learned pooling): their
+      gradients are summed into the shared input in the order the autograd engine runs the
+      heads' nodes; on GPT-2, BERT and Llama that order came out the same, but nothing here
+      controls it, so such heads keep the graph they had;
+    - under ``nonfinite_loss="skip"``, a loss left out of the total must send nothing back
+      into its head; in one call the other heads' zero gradient for its rows becomes NaN
+      there (``log_softmax``'s backward of a NaN row).
+
+    ``HeadedModel.forward`` passes the heads whose inputs need no gradient, under "raise".
+    """
     counted: dict[tuple, CountedLabels] = {}
     groups: dict[tuple, list[str]] = {}
     out: dict[str, torch.Tensor | None] = {}
@@ -76,14 +93,15 @@ def head_losses(
         if key not in counted:
             counted[key] = count_labels(cfg, p, y, mask, check)
         out[name] = None  # keeps the order; filled below
-        groups.setdefault((key, *_stacking_key(cfg, spec, p, counted[key])), []).append(name)
+        may = stack is True or (stack is not False and name in stack)
+        alone = _stacking_key(cfg, spec, p, counted[key]) if may else (name,)
+        groups.setdefault((key, *alone), []).append(name)
     for (key, *_), names in groups.items():
         if len(names) == 1:
-            for name in names:
-                out[name] = counted_loss(configs[name], preds[name], counted[key])
-            continue
-        stacked = stacked_losses(configs[names[0]], [preds[n] for n in names], counted[key])
-        out.update(zip(names, stacked))
+            out[names[0]] = counted_loss(configs[names[0]], preds[names[0]], counted[key])
+        else:
+            stacked = stacked_losses(configs[names[0]], [preds[n] for n in names], counted[key])
+            out.update(zip(names, stacked))
     return out  # type: ignore[return-value]
 
 

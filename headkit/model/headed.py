@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any
@@ -369,7 +370,10 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         masks = self.head_masks(inputs)
         features = self.head_inputs(captured, masks)
         preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
-        losses = self.head_losses(preds, labels, masks, check)
+        stack = self.nonfinite_loss == "raise" and {
+            n for n, f in features.items() if not f.requires_grad
+        }  # heads whose losses may share a call (losses.shared.head_losses)
+        losses = self.head_losses(preds, labels, masks, check, stack=stack)
         self._value_checks.passed(signature)
         loss, adapted = self.combine_losses(losses)
         if self.training and torch.is_grad_enabled() and inside_strict_ddp():
@@ -424,13 +428,15 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         labels: Mapping[str, Any],
         mask: torch.Tensor | Mapping[str, Any] | None,
         check: bool = True,
+        stack: bool | AbstractSet[str] = False,
     ) -> dict[str, torch.Tensor]:
         """Each head's loss, for the heads that have a loss and a label in ``labels``
         (``check``: validate the labels' values on the host; ``mask``: one for all heads, or
-        each head's). Labels are checked and counted once for the heads that read them alike
-        (``losses.shared.head_losses``)."""
+        each head's). Labels are checked and counted once for the heads that read them alike;
+        ``stack``: the heads whose losses may run as one call (``losses.shared.head_losses``
+        says when that is safe; ``forward`` passes the heads whose inputs need no gradient)."""
         masks = {name: mask_of(mask, name) for name in self.head_configs}
-        return head_losses(self.head_configs, preds, labels, masks, check)
+        return head_losses(self.head_configs, preds, labels, masks, check, stack=stack)
 
     def combine_losses(
         self, losses: dict[str, torch.Tensor]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_tiny
 
-from headkit import HeadConfig
+from headkit import HeadConfig, HeadedModel
 from headkit.losses import LOSSES, LossSpec, head_loss
 from headkit.losses import shared as shared_losses
 from headkit.losses.shared import head_losses
@@ -174,3 +175,52 @@ def test_heads_with_different_options_or_dtypes_do_not_share_a_call(monkeypatch)
     finally:
         LOSSES.remove("scaled_l1_test")
     assert calls == [2]  # a and b (the same options once resolved); c and d compute alone
+
+
+def test_a_skipped_non_finite_loss_sends_nothing_back_into_its_head() -> None:
+    """``nonfinite_loss="skip"``: the heads compute their losses alone, so a head whose loss is
+    NaN gets no gradient (in one call its rows' backward would turn the zero gradient into
+    NaN) and the others get exactly what they get without it; under "raise" they share."""
+
+    def heads(names):
+        return [HeadConfig(n, num_outputs=2, pred_for_sequence=True, pooling="mean", target="y")
+                for n in names]  # fmt: skip
+
+    backbone = build_tiny("gpt2", num_layers=2)
+    batch = {"input_ids": torch.randint(3, 90, (4, 6), generator=torch.Generator().manual_seed(0)),
+             "y": torch.tensor([0, 1, 1, 0])}  # fmt: skip
+    model = HeadedModel(backbone, heads(["a", "bad", "c"]), nonfinite_loss="skip").train()
+    with torch.no_grad():
+        model.heads["bad"].linears[0].weight.fill_(float("nan"))
+    with pytest.warns(UserWarning, match="head 'bad': non-finite loss skipped"):
+        model(**batch).loss.backward()
+    assert model.heads["bad"].linears[0].weight.grad is None
+    alone = HeadedModel(build_tiny("gpt2", num_layers=2), heads(["a", "c"])).train()
+    alone.heads.load_state_dict({k: v for k, v in model.heads.state_dict().items()
+                                 if not k.startswith("bad.")})  # fmt: skip
+    alone(**batch).loss.backward()
+    for name in ("a", "c"):
+        got = model.heads[name].linears[0].weight.grad
+        assert torch.equal(got, alone.heads[name].linears[0].weight.grad), name
+
+
+@pytest.mark.parametrize(
+    ("kw", "shared"),
+    [
+        ({}, [3]),  # frozen backbone, parameter-free pooling: one call
+        ({"freeze_base_model": False}, []),  # inputs need a gradient: each head alone
+        ({"nonfinite_loss": "skip"}, []),
+    ],
+)
+def test_the_model_shares_a_call_only_where_gradients_cannot_change(kw, shared, monkeypatch):
+    calls = []
+    stacked = shared_losses.stacked_losses
+    monkeypatch.setattr(
+        shared_losses, "stacked_losses", lambda *a: calls.append(len(a[1])) or stacked(*a)
+    )
+    heads = [HeadConfig(n, num_outputs=2, pred_for_sequence=True, pooling="mean", target="y")
+             for n in "abc"]  # fmt: skip
+    model = HeadedModel(build_tiny("bert", num_layers=2), heads, **kw).train()
+    ids = torch.randint(3, 90, (4, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, y=torch.tensor([0, 1, 1, 0])).loss.backward()
+    assert calls == shared
