@@ -116,3 +116,10 @@ def test_a_model_object_is_exported_where_it_is(checkpoint, tmp_path):
     )
     assert result.max_abs_diff <= 1e-4
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+
+
+def test_a_model_object_is_pushed_from_where_it_is(checkpoint, tmp_path):
+    _, model = checkpoint
+    with pytest.raises(ConfigError, match="the model given is on cpu"):
+        model.push_to_hub("me/tagger", dry_run=True, output=tmp_path / "staged", device=DEVICE)
+    assert list(tmp_path.iterdir()) == []
