@@ -1,13 +1,15 @@
-"""``first_parameter`` is ``next(module.parameters(), None)`` without the generators."""
+"""``first_parameter`` is ``next(module.parameters(), None)`` without the generators;
+``resolve_device`` and ``on_device``, the device a user names."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import build_tiny
 from torch import nn
 
-from headkit import HeadConfig, HeadedModel
-from headkit.modules import device_of, first_parameter
+from headkit import ConfigError, HeadConfig, HeadedModel
+from headkit.modules import device_of, first_parameter, on_device, resolve_device
 
 
 def test_first_parameter_is_the_first_of_parameters():
@@ -28,3 +30,21 @@ def test_first_parameter_is_the_first_of_parameters():
     assert device_of(empty) == torch.device("cpu")
     assert device_of(empty, torch.device("meta")) == torch.device("meta")
     assert device_of(nested.to("meta")) == torch.device("meta")
+
+
+def test_resolve_device_names_the_option_and_what_is_allowed():
+    cpu = torch.device("cpu")
+    assert resolve_device(None) == resolve_device("cpu") == resolve_device(cpu) == cpu
+    auto = resolve_device("auto")
+    assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match=r"device='gpu' is invalid; allowed: cpu, cuda") as e:
+        resolve_device("gpu")
+    assert e.value.field == "device"
+    unseen = f"cuda:{max(7, torch.cuda.device_count())}"
+    with pytest.raises(ConfigError, match=rf"--device='{unseen}': torch sees no such device"):
+        resolve_device(unseen, "--device")
+    model = nn.Linear(2, 2)
+    on_device(model, None)
+    on_device(model, "cpu")  # where it is: nothing to say
+    with pytest.raises(ConfigError, match="torch sees no such device"):
+        on_device(model, unseen)
