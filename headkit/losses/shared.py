@@ -90,11 +90,12 @@ def head_losses(
             out[name] = head_loss(cfg, p, y, mask, check)
             continue
         key = _sharing_key(cfg, spec, p, mask, check)
-        if key not in counted:
-            counted[key] = count_labels(cfg, p, y, mask, check)
+        labelled = counted.get(key)
+        if labelled is None:
+            labelled = counted[key] = count_labels(cfg, p, y, mask, check)
         out[name] = None  # keeps the order; filled below
         may = stack is True or (stack is not False and name in stack)
-        alone = _stacking_key(cfg, spec, p, counted[key]) if may else (name,)
+        alone = _stacking_key(cfg, spec, p, labelled) if may else (name,)
         groups.setdefault((key, *alone), []).append(name)
     for (key, *_), names in groups.items():
         if len(names) == 1:
