@@ -260,7 +260,7 @@ def _batch_loss(
     configs = {name: cfg for name, (cfg, _) in plan.items()}
     preds = {name: _head_preds(model, name, info, batch) for name, (_, info) in plan.items()}
     masks = dict.fromkeys(plan, batch["mask"])
-    stack = model.nonfinite_loss != "skip"  # as HeadedModel.head_losses
+    stack = model.nonfinite_loss != "skip"  # cached inputs need no gradient: as forward
     losses = head_losses(configs, preds, batch["labels"], masks, stack=stack)
     total, _ = model.combine_losses(losses)
     return total

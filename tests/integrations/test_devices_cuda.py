@@ -14,16 +14,15 @@ import copy
 import json
 
 import pytest
+import test_deploy_cli
 import torch
-from conftest import build_tiny
 from onnx_checks import compare_with_eager, padded
 from saved_files import saved_files
 from th_fixtures import FULL, LORA
-from tiny_text import tiny_tokenizer
 from transformers import AutoModelForTokenClassification
 
 import headkit
-from headkit import ConfigError, HeadConfig, HeadedModel
+from headkit import ConfigError
 from headkit.cli.main import main
 
 pytestmark = [
@@ -32,19 +31,7 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
-HEADS = [
-    HeadConfig("tags", num_outputs=3, extra={"classes": ["O", "B", "I"]}),
-    HeadConfig("mood", num_outputs=2, pred_for_sequence=True, pooling="mean", layer_hook=1),
-]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ckpt")
-    model = HeadedModel(build_tiny("bert", num_layers=2), HEADS).eval()
-    model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder, model  # the model on the CPU
+checkpoint = test_deploy_cli.checkpoint  # the CPU checkpoint fixture
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
