@@ -11,7 +11,9 @@ are both a benchmark figure (``bench_op_counts.py``) and a test that fails on a 
   kernel. Host reads (``_local_scalar_dense``) are counted, and reported apart too.
 - ``train_step_ops``: one frozen train step (forward with labels, backward) of a HeadedModel
   with ``n`` same-kind heads on the last layer of a tiny GPT-2, Llama or BERT; ``per_extra_head``
-  is the difference between 1 and ``n`` heads divided by ``n - 1``.
+  is the difference between 1 and ``n`` heads divided by ``n - 1``. Each head runs alone, as
+  on a GPU: on the CPU same-shape heads may run as one matmul (``heads/stacked.py``), which
+  only lowers the count, so a no-op forward hook on each head's Linear keeps it out.
 - ``decode_step_ops``: one greedy decode step of ``generate``, the backbone's own
   (``*ForCausalLM.generate``) or HeadedModel's with its frozen ``lm_head`` and a value head:
   the operations of generating ``k + m`` tokens minus those of ``k``, divided by ``m``.
@@ -161,6 +163,8 @@ def train_step_ops(arch: str, kind: str, n_heads: int) -> collections.Counter[st
     start at None, as after ``zero_grad()``) with ``n_heads`` heads of ``kind``."""
     model = HeadedModel(build_model(arch), [head_config(kind, i) for i in range(n_heads)])
     model.train()
+    for head in model.heads.values():  # alone, as on a GPU (see the module docstring)
+        head.output_projection().register_forward_hook(lambda module, args, out: None)
     target = head_config(kind, 0).target
     data = batch()
     inputs = {k: data[k] for k in ("input_ids", "attention_mask", target)}

@@ -1,8 +1,8 @@
 """Training and predicting heads on cached features (no backbone forward at all).
 
-Each step computes exactly what ``HeadedModel.forward`` would: the heads' ``from_features``
-(or their trainable pooling on the stored token states), ``head_losses`` of the heads, then
-``model.combine_losses``.
+Each step computes exactly what ``HeadedModel.forward`` would: the heads' outputs
+(``head_outputs``, or their trainable pooling on the stored token states), ``head_losses`` of
+the heads, then ``model.combine_losses``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from ..backbone.fingerprint import tensors_fingerprint
 from ..errors import ConfigError
+from ..heads.stacked import head_outputs
 from ..losses.objective import label_rule
 from ..losses.shared import head_losses
 from ..model.headed import HeadedModel
@@ -122,8 +123,8 @@ def predict_on_features(
         for start in range(0, len(features), batch_size):
             index = torch.arange(start, min(start + batch_size, len(features)))
             batch = features.batch(index, model.device)
-            for name in model.heads:
-                p = _head_preds(model, name, features.heads[name], batch)
+            preds = _head_preds(model, {n: features.heads[n] for n in model.heads}, batch)
+            for name, p in preds.items():
                 if not model.head_configs[name].pred_for_sequence:
                     p = p[batch["mask"].bool()]
                 parts[name].append(p.cpu())
@@ -245,20 +246,30 @@ def _training_plan(model: HeadedModel, features: CachedFeatures) -> dict[str, An
 
 
 def _head_preds(
-    model: HeadedModel, name: str, info: dict[str, Any], batch: dict[str, Any]
-) -> torch.Tensor:
-    head = model.heads[name]
-    x = batch["features"][info["features"]]
-    if info["layout"] == "pooled" or not info["pred_for_sequence"]:
-        return head.from_features(x)
-    return head(x, batch["mask"])  # trainable pooling runs on token states
+    model: HeadedModel, infos: dict[str, dict[str, Any]], batch: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The predictions of the heads in ``infos`` (their cache entries), as ``forward`` makes
+    them: ``head_outputs`` of the heads reading stored inputs (same-shape heads on one stored
+    tensor as one matmul), the head itself where a trainable pooling runs on token states."""
+    stored = {
+        name: batch["features"][info["features"]]
+        for name, info in infos.items()
+        if info["layout"] == "pooled" or not info["pred_for_sequence"]
+    }
+    preds = head_outputs({name: model.heads[name] for name in stored}, stored)
+    return {
+        name: preds[name]
+        if name in preds
+        else model.heads[name](batch["features"][info["features"]], batch["mask"])
+        for name, info in infos.items()
+    }
 
 
 def _batch_loss(
     model: HeadedModel, plan: dict[str, Any], batch: dict[str, Any]
 ) -> torch.Tensor | None:
     configs = {name: cfg for name, (cfg, _) in plan.items()}
-    preds = {name: _head_preds(model, name, info, batch) for name, (_, info) in plan.items()}
+    preds = _head_preds(model, {name: info for name, (_, info) in plan.items()}, batch)
     masks = dict.fromkeys(plan, batch["mask"])
     stack = model.nonfinite_loss != "skip"  # cached inputs need no gradient: as forward
     losses = head_losses(configs, preds, batch["labels"], masks, stack=stack)

@@ -16,6 +16,8 @@ What the rest of headkit needs to know of a head it asks the head, never its att
   is named ``lm_head`` starts from the task model's LM head, and a frozen one shares the
   input embeddings (``backbone/tying.py``).
 - ``dense_layers()``: the head as a chain of Linear layers and activations (exports).
+- ``linear_form()``: the head as one Linear and an activation, when it is one: heads of one
+  shape on one input then run as one matmul (``stacked.py``).
 - ``parameter_count(config)`` and ``tensor_count(config)`` (class methods): its size from the
   config alone, so the size guards refuse a head before anything is allocated.
 
@@ -135,6 +137,13 @@ class Head(nn.Module):
             return False
         own = {id(p) for p in proj.parameters()}
         return all(id(p) in own for p in self.parameters())
+
+    def linear_form(self) -> tuple[nn.Linear, nn.Module | None] | None:
+        """``(linear, activation)`` when ``from_features(x)`` is exactly ``linear(x)`` followed
+        by ``activation`` (a parameter-free module; None: nothing), so that heads of one
+        shape on one input may run as one matmul (``heads/stacked.py``); None otherwise.
+        Asked every forward: answer from the modules as they are now."""
+        return None
 
     def dense_layers(self) -> list[tuple[nn.Linear, str]] | None:
         """The head as Linear layers, each with the name of the activation after it (an

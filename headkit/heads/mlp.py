@@ -74,6 +74,15 @@ class MLPHead(Head):
         """The last Linear."""
         return self.linears[-1]
 
+    def linear_form(self) -> tuple[nn.Linear, nn.Module | None] | None:
+        """The Linear and output activation of a one-layer head without dropout."""
+        mlp = self.mlp
+        hooks = mlp._forward_hooks or mlp._forward_pre_hooks or mlp._backward_hooks
+        if len(mlp) != 1 or hooks or mlp._backward_pre_hooks:
+            return None
+        act = self.output_activation
+        return mlp[0], (None if isinstance(act, nn.Identity) else act)
+
     def dense_layers(self) -> list[tuple[nn.Linear, str]]:
         """Each Linear with ``hidden_activation`` after it, the last with ``output_activation``
         (dropout is left out, as at inference)."""

@@ -45,6 +45,7 @@ from ..distributed.sharding import is_sharded, save_sharded
 from ..errors import BatchError, CheckpointError, ConfigError
 from ..generation.generate import HeadedGenerationMixin
 from ..heads.base import HeadDict, build_head, get_submodule_by_name
+from ..heads.stacked import head_outputs
 from ..losses.objective import target_rules
 from ..losses.shared import head_losses
 from ..losses.weighting import LossWeighting, build_weighting
@@ -369,7 +370,7 @@ class HeadedModel(HeadedGenerationMixin, PreTrainedConveniences, nn.Module):
         captured, out = run_stage(self.backbone, self.info, inputs, wanted, not full)
         masks = self.head_masks(inputs)
         features = self.head_inputs(captured, masks)
-        preds = {name: head.from_features(features[name]) for name, head in self.heads.items()}
+        preds = head_outputs(self.heads, features)  # same-shape heads as one matmul
         stack = self.nonfinite_loss == "raise" and {
             n for n, f in features.items() if not f.requires_grad
         }  # heads whose losses may share a call (losses.shared.head_losses)
