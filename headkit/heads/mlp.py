@@ -76,12 +76,14 @@ class MLPHead(Head):
 
     def linear_form(self) -> tuple[nn.Linear, nn.Module | None] | None:
         """The Linear and output activation of a one-layer head without dropout."""
-        mlp = self.mlp
+        mods = self._modules  # read directly: asked per head every forward (heads/stacked.py)
+        mlp, act = mods["mlp"], mods["output_activation"]
+        layers = mlp._modules
         hooks = mlp._forward_hooks or mlp._forward_pre_hooks or mlp._backward_hooks
-        if len(mlp) != 1 or hooks or mlp._backward_pre_hooks:
+        if len(layers) != 1 or hooks or mlp._backward_pre_hooks:
             return None
-        act = self.output_activation
-        return mlp[0], (None if isinstance(act, nn.Identity) else act)
+        (linear,) = layers.values()
+        return linear, (None if isinstance(act, nn.Identity) else act)
 
     def dense_layers(self) -> list[tuple[nn.Linear, str]]:
         """Each Linear with ``hidden_activation`` after it, the last with ``output_activation``

@@ -52,16 +52,18 @@ def head_outputs(
     """Each head's ``from_features(features[name])``, in ``heads``' order; with ``stack``,
     heads that are one Linear of the same tensor run as one batched matmul where that is
     exact (see the module docstring)."""
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple, dict[str, tuple]] = {}
     if stack and _may_stack():
         for name, head in heads.items():
-            key = _stacking_key(head, features[name]) if isinstance(head, Head) else None
+            form = head.linear_form() if isinstance(head, Head) else None
+            key = _stacking_key(form, features[name]) if form is not None else None
             if key is not None:
-                groups.setdefault(key, []).append(name)
+                groups.setdefault(key, {})[name] = form
     preds: dict[str, torch.Tensor] = {}
-    for names in groups.values():
-        if len(names) > 1:
-            preds.update(zip(names, _stacked(heads, names, features[names[0]])))
+    for forms in groups.values():
+        if len(forms) > 1:
+            x = features[next(iter(forms))]
+            preds.update(zip(forms, _stacked(list(forms.values()), x)))
     return {n: preds[n] if n in preds else h.from_features(features[n]) for n, h in heads.items()}
 
 
@@ -84,10 +86,10 @@ def _may_stack() -> bool:
     )
 
 
-def _stacking_key(head: Head, x: torch.Tensor) -> tuple | None:
-    """What heads must share to run as one matmul on ``x``; None: this head runs alone."""
-    form = head.linear_form()
-    if form is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
+def _stacking_key(form: tuple[nn.Linear, Any], x: torch.Tensor) -> tuple | None:
+    """What heads of ``linear_form()`` ``form`` must share to run as one matmul on ``x``;
+    None: this head runs alone."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
         return None
     linear, _ = form
     w, b = linear.weight, linear.bias
@@ -112,14 +114,11 @@ def _has_hooks(m: nn.Module) -> bool:
     )
 
 
-def _stacked(
-    heads: Mapping[str, nn.Module], names: list[str], x: torch.Tensor
-) -> list[torch.Tensor]:
-    """The outputs of heads ``names`` (one Linear each, keyed alike) on ``x``."""
-    forms = [heads[n].linear_form() for n in names]
+def _stacked(forms: list[tuple[nn.Linear, Any]], x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs on ``x`` of heads of ``linear_form()`` ``forms`` (keyed alike)."""
     weights = [lin.weight for lin, _ in forms]
     biases = [lin.bias for lin, _ in forms if lin.bias is not None]
-    outs = _StackedLinear.apply(x, len(names), *weights, *biases)
+    outs = _StackedLinear.apply(x, len(forms), *weights, *biases)
     return [out if act is None else act(out) for out, (_, act) in zip(outs, forms)]
 
 
