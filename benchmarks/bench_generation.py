@@ -10,7 +10,7 @@ machine):
             generated token, with the log-probability of every token
 The model: a tiny random Llama decoder built from a config (12 layers, hidden 256, vocabulary
 32000, tied embeddings), 2 threads. The figure is tokens/s of headkit ÷ tokens/s of the
-backbone, the ratio of the medians (goal >= 0.95); the median of the per-call-pair ratios is
+backbone, the ratio of the medians (goal >= 0.97); the median of the per-call-pair ratios is
 in the details, with whether both generated the same tokens.
 
 Run (writes benchmarks/results/generation.json; ``--quick``: tiny sizes, a smoke test):
@@ -42,7 +42,7 @@ from headkit import HeadConfig, HeadedModel
 
 HERE = Path(__file__).resolve().parent
 NAME = "generation"
-GOAL = Goal(">=", 0.95)
+GOAL = Goal(">=", 0.97)  # issue 30: tokens/s within 3 % of the backbone's generate
 
 
 @dataclass(frozen=True)
