@@ -25,9 +25,9 @@ thread count. Heads stay alone where that is not shown:
 - inputs that need a gradient (a trainable backbone): their gradient would be one sum over
   the heads instead of one per head, added in another order;
 - other dtypes or devices than float32 on the CPU, autocast, reduced-precision float32
-  matmuls, ``torch.compile`` and tracing, and Linears with hooks or that are not a plain
-  ``nn.Linear`` with plain parameters (peft's layers, FSDP's sharded parameters, quantized
-  weights).
+  matmuls, ``torch.compile``, tracing, ``torch.func`` and forward-mode AD, and Linears with hooks
+  or that are not a plain ``nn.Linear`` with plain parameters (peft's layers, FSDP's sharded
+  parameters, quantized weights).
 
 A head whose output gets no gradient gets none for its weights either (``None``, as alone).
 """
@@ -69,9 +69,13 @@ def head_outputs(
 
 
 def _may_stack() -> bool:
-    """What no head decides: no compiler, tracer, autocast, reduced-precision matmuls or
-    global module hooks."""
+    """What no head decides: no compiler, tracer, ``torch.func`` transform, forward-mode AD,
+    autocast, reduced-precision matmuls or global module hooks."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    if torch._C._are_functorch_transforms_active():  # vmap, grad: a Function needs more there
+        return False
+    if torch.autograd.forward_ad._current_level >= 0:  # forward-mode AD: it would need a jvp
         return False
     if torch.is_autocast_enabled("cpu") or torch.get_float32_matmul_precision() != "highest":
         return False

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 from conftest import build_tiny
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from headkit import HeadConfig, HeadedModel
@@ -198,6 +199,48 @@ def test_autocast_and_reduced_precision_matmuls_leave_every_head_alone() -> None
     finally:
         torch.set_float32_matmul_precision(before)
     assert "bmm" not in ops.seen
+
+
+class _AllHeads(nn.Module):
+    """The heads of ``_heads`` as one module: the sum of every output on ``x``."""
+
+    def __init__(self, heads: dict[str, MLPHead]) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict(heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = head_outputs(dict(self.heads.items()), dict.fromkeys(self.heads, x))
+        return sum(o.sum() for o in outs.values())
+
+
+def test_per_sample_gradients_with_torch_func_compute_each_head_alone() -> None:
+    """``torch.func.vmap(torch.func.grad(...))`` over the heads (per-sample gradients, as for
+    differential privacy) works as it did before heads could be stacked."""
+    model = _AllHeads(_heads(3, 256, 3))  # a row alone is past 400 multiply-adds
+    x = torch.randn(16, 256)
+    batched = torch.func.vmap(model)(x[:, None])  # the heads' own parameters, a batched input
+    torch.testing.assert_close(batched, torch.stack([model(r[None]) for r in x]))
+    params = {k: p.detach() for k, p in model.named_parameters()}
+
+    def loss(p: dict, row: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (row[None],))
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for name, head in model.heads.items():
+        w = head.mlp[0].weight
+        want = [torch.autograd.grad(head.from_features(r[None]).sum(), w)[0] for r in x]
+        torch.testing.assert_close(per_sample[f"heads.{name}.mlp.0.weight"], torch.stack(want))
+
+
+def test_forward_mode_ad_computes_each_head_alone() -> None:
+    heads = _heads(3, 256, 3)
+    x, tangent = torch.randn(16, 256), torch.randn(16, 256)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, tangent)
+        outs = head_outputs(heads, dict.fromkeys(heads, dual))
+        for name, head in heads.items():
+            got = torch.autograd.forward_ad.unpack_dual(outs[name]).tangent
+            torch.testing.assert_close(got, tangent @ head.mlp[0].weight.T)
 
 
 def _train_step(model: HeadedModel, batch: dict) -> tuple[dict, dict]:
