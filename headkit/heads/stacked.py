@@ -102,8 +102,8 @@ def _stacking_key(form: tuple[nn.Linear, Any], x: torch.Tensor) -> tuple | None:
         return None
     if w.dtype != torch.float32 or w.device.type != "cpu" or x.shape[-1] != w.shape[1]:
         return None
-    if x.dim() > 2 and not x.is_contiguous():  # F.linear adds such a bias apart
-        return None
+    if x.dim() < 2 or (x.dim() > 2 and not x.is_contiguous()):  # a vector: F.linear's mv;
+        return None  # a strided batch of rows: F.linear adds the bias apart
     if b is not None and (type(b) is not nn.Parameter or b.dtype != torch.float32):
         return None
     outputs = w.shape[0]
