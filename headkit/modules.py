@@ -3,8 +3,9 @@
 ``module.parameters()`` walks ``named_modules`` through nested generators: about 10 µs for
 its first item, which a forward with 25 heads paid 3 times per head. ``first_parameter``
 returns the same parameter (``parameters()``'s order: the module's own, then each child's,
-depth first) by reading the registries directly. ``resolve_device``: the torch device a user
-names (``headkit.export(..., device=)``, ``--device``), refused when torch does not see it.
+depth first) by reading the registries directly; ``has_hooks`` reads the hook registries.
+``resolve_device``: the torch device a user names (``headkit.export(..., device=)``,
+``--device``), refused when torch does not see it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def first_parameter(module: nn.Module) -> nn.Parameter | None:
             if p is not None:
                 return p
     return None
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own (not the global ones)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
 
 
 def device_of(module: nn.Module, default: torch.device | None = None) -> torch.device:

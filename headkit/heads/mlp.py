@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..modules import first_parameter
+from ..modules import first_parameter, has_hooks
 from .activations import build_activation
 from .base import HEADS, Head
 
@@ -79,8 +79,7 @@ class MLPHead(Head):
         mods = self._modules  # read directly: asked per head every forward (heads/stacked.py)
         mlp, act = mods["mlp"], mods["output_activation"]
         layers = mlp._modules
-        hooks = mlp._forward_hooks or mlp._forward_pre_hooks or mlp._backward_hooks
-        if len(layers) != 1 or hooks or mlp._backward_pre_hooks:
+        if len(layers) != 1 or has_hooks(mlp):
             return None
         (linear,) = layers.values()
         return linear, (None if isinstance(act, nn.Identity) else act)

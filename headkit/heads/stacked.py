@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from ..modules import has_hooks
 from .base import Head
 
 #: Below this many multiply-adds ``torch.bmm`` on the CPU uses its own loop, not oneMKL.
@@ -54,7 +55,7 @@ def head_outputs(
     heads that are one Linear of the same tensor run as one batched matmul where that is
     exact (see the module docstring)."""
     groups: dict[tuple, dict[str, tuple]] = {}
-    if stack and _may_stack():
+    if stack and len(heads) > 1 and _may_stack():  # one head: nothing to stack
         for name, head in heads.items():
             form = head.linear_form() if isinstance(head, Head) else None
             key = _stacking_key(form, features[name]) if form is not None else None
@@ -98,7 +99,7 @@ def _stacking_key(form: tuple[nn.Linear, Any], x: torch.Tensor) -> tuple | None:
         return None
     linear, _ = form
     w, b = linear.weight, linear.bias
-    if type(linear) is not nn.Linear or _has_hooks(linear) or type(w) is not nn.Parameter:
+    if type(linear) is not nn.Linear or has_hooks(linear) or type(w) is not nn.Parameter:
         return None
     if w.dtype != torch.float32 or w.device.type != "cpu" or x.shape[-1] != w.shape[1]:
         return None
@@ -111,12 +112,6 @@ def _stacking_key(form: tuple[nn.Linear, Any], x: torch.Tensor) -> tuple | None:
         return None
     grads = (w.requires_grad, b is not None and b.requires_grad)
     return (id(x), tuple(w.shape), b is not None, grads)
-
-
-def _has_hooks(m: nn.Module) -> bool:
-    return bool(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-    )
 
 
 def _stacked(forms: list[tuple[nn.Linear, Any]], x: torch.Tensor) -> list[torch.Tensor]:
